@@ -1,0 +1,50 @@
+"""The attention backend interface: build per-step metadata once, then attend per layer.
+
+Batch layout contract (the model runner orders requests this way): decode requests
+(exactly one new token) come first, then requests with several new tokens (prefill chunks).
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_size], token-major.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Backend-independent description of one step, as numpy arrays (host side)."""
+
+    query_start_loc: np.ndarray  # [num_reqs + 1] int64, cumulative query lengths
+    seq_lens: np.ndarray  # [num_reqs] int64, tokens in the cache after this step
+    block_table: np.ndarray  # [num_reqs, max_blocks] int64 (padded with 0)
+    slot_mapping: np.ndarray  # [num_tokens] int64, cache slot of every new token
+    num_decodes: int  # the first num_decodes requests have query length 1
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata, device: torch.device) -> object:
+        """Turn the step description into whatever `forward` needs."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        """Write key/value into the cache at the slot mapping, then attend."""
+
+
+def get_attn_backend(device: torch.device) -> AttentionBackend:
+    from pagedlm.attention.torch_sdpa import TorchSDPABackend
+
+    return TorchSDPABackend()

@@ -1,0 +1,147 @@
+"""Paged attention in plain PyTorch with `scaled_dot_product_attention`.
+
+Decode rows are attended in one batched call: their blocks are gathered through the block table
+and padded to the longest sequence with a key mask. Each prefill chunk gets its own call; a
+chunk with no cached prefix uses the fresh keys with `is_causal` (top-left = bottom-right when
+q_len == kv_len), a chunk after a cached prefix gathers its blocks and uses an explicit
+bottom-right causal mask. Sliding windows restrict keys to the last `window` positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedlm.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int
+    query_len: int
+    seq_len: int
+    block_ids: torch.Tensor  # [num_blocks_of_seq] long
+
+
+@dataclass
+class SDPAMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    num_decode_tokens: int
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] long
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] long
+    max_decode_seq_len: int
+    prefills: list[PrefillChunk]
+    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_len] bool, True where a key is attended."""
+        key = ("decode", window)
+        if key not in self._masks:
+            assert self.decode_seq_lens is not None
+            pos = torch.arange(self.max_decode_seq_len, device=self.decode_seq_lens.device)
+            lens = self.decode_seq_lens[:, None]
+            mask = pos[None, :] < lens
+            if window is not None:
+                mask &= pos[None, :] >= lens - window
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+
+def causal_mask(query_len: int, seq_len: int, window: int | None, device: torch.device):
+    """Bottom-right aligned causal mask [query_len, seq_len] (True = attend)."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+class TorchSDPABackend(AttentionBackend):
+    def build(self, common: CommonAttentionMetadata, device: torch.device) -> SDPAMetadata:
+        qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
+        nd = common.num_decodes
+        decode_table = decode_lens = None
+        max_decode = 0
+        if nd:
+            max_decode = int(seq_lens[:nd].max())
+            decode_lens = torch.from_numpy(seq_lens[:nd]).to(device)
+            decode_table = torch.from_numpy(table[:nd]).to(device)
+        prefills = []
+        for i in range(nd, len(seq_lens)):
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            seq_len = int(seq_lens[i])
+            prefills.append(
+                PrefillChunk(start, end - start, seq_len, torch.from_numpy(table[i]).to(device))
+            )
+        return SDPAMetadata(
+            slot_mapping=torch.from_numpy(common.slot_mapping).to(device),
+            num_decode_tokens=nd,
+            decode_block_table=decode_table,
+            decode_seq_lens=decode_lens,
+            max_decode_seq_len=max_decode,
+            prefills=prefills,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: SDPAMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
+        flat_k = k_cache.view(-1, num_kv_heads, head_size)
+        flat_v = v_cache.view(-1, num_kv_heads, head_size)
+        num_tokens = metadata.slot_mapping.shape[0]
+        flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
+        flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
+
+        out = torch.empty_like(query)
+        nd = metadata.num_decode_tokens
+        if nd:
+            table = metadata.decode_block_table
+            max_len = metadata.max_decode_seq_len
+            max_blocks = (max_len + block_size - 1) // block_size
+            table = table[:, :max_blocks]
+            # [nd, max_blocks, block_size, kv_heads, d] -> [nd, kv_heads, max_len, d]
+            k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+            v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+            q = query[:nd].unsqueeze(2)  # [nd, heads, 1, d]
+            o = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=metadata.decode_mask(sliding_window),
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[:nd] = o.squeeze(2)
+        for chunk in metadata.prefills:
+            s, n = chunk.query_start, chunk.query_len
+            q = query[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+            if chunk.seq_len == n:
+                k = key[s : s + n].transpose(0, 1).unsqueeze(0)
+                v = value[s : s + n].transpose(0, 1).unsqueeze(0)
+            else:
+                nb = (chunk.seq_len + block_size - 1) // block_size
+                ids = chunk.block_ids[:nb]
+                k = k_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
+                v = v_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
+            if chunk.seq_len == n and sliding_window is None:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                mask = causal_mask(n, chunk.seq_len, sliding_window, query.device)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            out[s : s + n] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,282 @@
+"""vLLM v1's single scheduling loop: no prefill or decode phases, one token budget per step.
+
+Each step, running requests are served first (in order), then waiting ones are admitted while
+the budget, `max_num_seqs` and the KV pool allow. A request advances `num_computed_tokens`
+toward `num_tokens`; long prompts are therefore chunked and share steps with decodes. When the
+pool runs dry, the newest running request (FCFS) or the lowest-priority one is preempted:
+its blocks are freed and it is recomputed later. Admission requires blocks for the whole
+prompt, so admitted prefills do not thrash.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+
+
+class RequestQueue:
+    """Waiting requests: a FIFO deque, or a heap on (priority, arrival_time, request_id)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, request)
+        else:
+            self._fifo.append(request)
+
+    def prepend(self, request: Request) -> None:
+        """Preempted requests go back first (under priority the heap orders them anyway)."""
+        if self.policy == "priority":
+            heapq.heappush(self._heap, request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap) if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, requests: Iterable[Request]) -> None:
+        doomed = set(id(r) for r in requests)
+        if self.policy == "priority":
+            self._heap = [r for r in self._heap if id(r) not in doomed]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo = deque(r for r in self._fifo if id(r) not in doomed)
+
+    def __len__(self) -> int:
+        return len(self._heap) + len(self._fifo)
+
+    def __iter__(self):
+        return iter(sorted(self._heap) if self.policy == "priority" else self._fifo)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = scheduler_config.max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting = RequestQueue(scheduler_config.scheduling_policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort, stop string found by detokenizer)."""
+        doomed = [self.requests[r] for r in request_ids if r in self.requests]
+        doomed = [r for r in doomed if not r.is_finished()]
+        waiting = [r for r in doomed if r.status != RequestStatus.RUNNING]
+        self.waiting.remove(waiting)
+        for request in doomed:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        scheduled: list[Request] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if threshold > 0:
+                num_new = min(num_new, threshold)
+            num_new = min(num_new, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim.request_id in out.num_scheduled_tokens:
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    scheduled.remove(victim)
+                if victim_index < i:
+                    i -= 1
+                self._preempt(victim)
+                out.preempted_req_ids.add(victim.request_id)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                out.num_scheduled_tokens[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing else fits
+
+        if not preempted:
+            budget = self._admit_waiting(out, scheduled, budget, threshold)
+
+        now = time.monotonic()
+        for request in scheduled:
+            n = out.num_scheduled_tokens[request.request_id]
+            out.num_computed_tokens[request.request_id] = request.num_computed_tokens
+            request.num_computed_tokens += n
+            if not request.scheduled_ts:
+                request.scheduled_ts = now
+        out.scheduled_requests = scheduled
+        out.finished_req_ids = self.finished_req_ids
+        self.finished_req_ids = set()
+        return out
+
+    def _admit_waiting(
+        self, out: SchedulerOutput, scheduled: list[Request], budget: int, threshold: int
+    ) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if threshold > 0:
+                num_new = min(num_new, threshold)
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            allocated = self.kv_cache_manager.allocate_slots(
+                request, num_new, hits, num_hit_tokens, num_tokens_must_fit=request.num_tokens
+            )
+            if allocated is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, wait at the front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # -------------------------------------------------------------- update
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, check stops, cache full blocks, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for request in scheduler_output.scheduled_requests:
+            rid = request.request_id
+            new_token_ids = runner_output.sampled_token_ids.get(rid, [])
+            prompt_logprobs = runner_output.prompt_logprobs.get(rid)
+            pooler_output = runner_output.pooler_output.get(rid)
+            stopped = False
+            if new_token_ids:
+                request.append_output_token_ids(new_token_ids)
+                if not request.first_token_ts:
+                    request.first_token_ts = now
+                request.last_token_ts = now
+                stopped = self._check_stop(request)
+            elif pooler_output is not None:
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if stopped:
+                self.running.remove(request)
+                self._free_request(request)
+            if new_token_ids or prompt_logprobs is not None or stopped:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=rid,
+                        new_token_ids=new_token_ids,
+                        finish_reason=request.get_finished_reason() if stopped else None,
+                        stop_reason=request.stop_reason,
+                        new_logprobs=runner_output.logprobs.get(rid),
+                        new_prompt_logprobs=prompt_logprobs,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                        pooling_output=pooler_output,
+                    )
+                )
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        assert params is not None
+        if request.num_output_tokens >= params.min_tokens:
+            last = request.output_token_ids[-1]
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.num_tokens >= self.max_model_len or (
+            request.num_output_tokens >= request.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ------------------------------------------------------------- control
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        if reset_running_requests:
+            for request in reversed(self.running):
+                self._preempt(request)
+            self.running.clear()
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        self.kv_cache_manager.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        for request in self.running:
+            assert request.num_computed_tokens <= request.num_tokens
+            held = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, []))
+            assert held * self.kv_cache_manager.block_size >= request.num_computed_tokens

@@ -1,0 +1,275 @@
+"""EngineArgs: every engine option, as a dataclass, as `LLM(**kwargs)` and as CLI flags.
+
+`LLM(**kwargs)` and `pagedlm ... --flags` both build EngineArgs, so an option exists in one place.
+Unknown keyword arguments raise TypeError (the dataclass constructor does it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import re
+import sys
+import typing
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pagedlm.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    derive_max_model_len,
+    resolve_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+_HELP: dict[str, str] = {
+    "model": "Model: a Hugging Face directory, a .gguf file, a packaged model name or a hub id.",
+    "runner": "auto, generate or pooling.",
+    "convert": "auto, none, embed or classify: use a causal LM as a pooling model.",
+    "tokenizer": "Tokenizer directory or hub id (default: the model's).",
+    "dtype": "auto (bf16 where the CPU has native bf16, fp32 checkpoints stay fp32), "
+    "float32, bfloat16, float16.",
+    "max_model_len": "Longest prompt + output in tokens (default: from the model config). "
+    "Accepts 1k, 2K, ...",
+    "max_num_seqs": "Most requests running at once.",
+    "max_num_batched_tokens": "Token budget of one engine step (prefill chunks + decodes).",
+    "block_size": "Tokens per KV cache block.",
+    "kv_cache_memory_bytes": "KV cache size in bytes (default: a fraction of RAM).",
+    "gpu_memory_utilization": "Fraction of device memory (RAM on CPU) the engine may use.",
+    "num_gpu_blocks_override": "Force the number of KV blocks (testing preemption).",
+    "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
+    "enable_chunked_prefill": "Split long prompts over several steps.",
+    "scheduling_policy": "fcfs or priority (lower value first).",
+    "seed": "Random seed of the engine.",
+    "max_logprobs": "Most logprobs a request may ask for (-1: vocabulary size).",
+    "disable_log_stats": "Do not keep metrics.",
+    "generation_config": "auto (the model's generation_config.json), vllm (neutral) or a folder.",
+    "override_generation_config": "JSON dict merged over the generation config.",
+    "enforce_eager": "Run the model eagerly (no torch.compile).",
+    "load_format": "auto, safetensors, gguf or dummy (random weights).",
+}
+
+# Options vLLM has that we accept only at their default value; anything else is rejected clearly.
+_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "quantization": None,
+    "enable_lora": False,
+    "speculative_config": None,
+    "cpu_offload_gb": 0,
+    "enable_prompt_embeds": False,
+    "kv_cache_dtype": "auto",
+}
+
+
+def _parse_size(value: str) -> int:
+    """'2048', '2k', '1M' (decimal) or '2K'/'1Mi' style -> int."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)i?\s*", str(value))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {value!r}")
+    number, unit = float(m.group(1)), m.group(2)
+    scale = {"": 1, "k": 1000, "m": 10**6, "g": 10**9, "K": 1024, "M": 1024**2, "G": 1024**3}
+    return int(number * scale[unit])
+
+
+@dataclass
+class EngineArgs:
+    """Engine options with vLLM's names and (CPU) defaults."""
+
+    model: str = "qwen2.5-coder-0.5b-instruct"
+    runner: str = "auto"
+    convert: str = "auto"
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    hf_token: str | None = None
+    dtype: str = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    prefix_caching_hash_algo: str = "sha256"
+    gpu_memory_utilization: float = 0.92
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    disable_log_stats: bool = False
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+    enforce_eager: bool = True
+    load_format: str = "auto"
+    hf_overrides: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    enable_lora: bool = False
+    speculative_config: dict[str, Any] | None = None
+    cpu_offload_gb: float = 0
+    enable_prompt_embeds: bool = False
+    async_scheduling: bool | None = None
+    distributed_executor_backend: str | None = None
+    compilation_config: Any = None
+
+    def __post_init__(self) -> None:
+        for name, default in _UNSUPPORTED_DEFAULTS.items():
+            if getattr(self, name) != default:
+                raise NotImplementedError(
+                    f"{name}={getattr(self, name)!r} is not supported by pagedlm yet "
+                    f"(only {default!r}); see the README's list of supported features."
+                )
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one `--kebab-case` flag per field (booleans get `--no-` forms too)."""
+        group = parser.add_argument_group("engine options")
+        hints = typing.get_type_hints(EngineArgs)
+        for f in fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            help_text = _HELP.get(f.name, "See vLLM's option of the same name.")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            args = typing.get_args(kind)
+            if kind is bool or (bool in args and len(args) <= 2 and str not in args):
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                )
+            elif f.name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+                group.add_argument(flag, type=_parse_size, default=default, help=help_text)
+            elif dict in args or typing.get_origin(kind) is dict or kind is Any:
+                group.add_argument(flag, type=json.loads, default=default, help=help_text)
+            elif kind is int or int in args:
+                group.add_argument(flag, type=int, default=default, help=help_text)
+            elif kind is float or float in args:
+                group.add_argument(flag, type=float, default=default, help=help_text)
+            else:
+                group.add_argument(flag, type=str, default=default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = [f.name for f in fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+    # --------------------------------------------------------------- config
+    def create_engine_config(self) -> VllmConfig:
+        """Resolve the model, dtype, lengths and batch defaults into a VllmConfig."""
+        from pagedlm.model_loader.resolve import load_hf_config, resolve_model
+
+        resolved = resolve_model(self.model, revision=self.revision, hf_token=self.hf_token)
+        hf_config = load_hf_config(resolved, trust_remote_code=self.trust_remote_code)
+        for key, value in (self.hf_overrides or {}).items():
+            setattr(hf_config, key, value)
+        checkpoint_dtype = getattr(hf_config, "torch_dtype", None)
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(__import__("torch"), checkpoint_dtype, None)
+        dtype = resolve_dtype(self.dtype, checkpoint_dtype)
+
+        derived = derive_max_model_len(hf_config)
+        max_model_len = self.max_model_len or derived
+        if max_model_len > derived:
+            raise ValueError(
+                f"max_model_len={max_model_len} is longer than the model allows ({derived}, from "
+                "its config). Pass a smaller --max-model-len."
+            )
+        chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        max_batched = self.max_num_batched_tokens or 4096
+        if not chunked:
+            max_batched = max(max_batched, max_model_len)
+        runner = self.runner if self.runner != "auto" else "generate"
+        model_config = ModelConfig(
+            model=self.model,
+            model_path=resolved.path,
+            tokenizer=self.tokenizer or resolved.tokenizer_path,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            revision=self.revision,
+            tokenizer_revision=self.tokenizer_revision,
+            trust_remote_code=self.trust_remote_code,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            tokenizer_mode=self.tokenizer_mode,
+            max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
+            generation_config=self.generation_config,
+            override_generation_config=dict(self.override_generation_config or {}),
+            load_format=self.load_format,
+            enforce_eager=self.enforce_eager,
+            gguf_file=resolved.gguf_file,
+            runner_type=runner,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size or 16,
+            enable_prefix_caching=(
+                True if self.enable_prefix_caching is None else self.enable_prefix_caching
+            ),
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs or 256,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+            scheduling_policy=self.scheduling_policy,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+        return VllmConfig(model_config, cache_config, scheduler_config, self.disable_log_stats)
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """ArgumentParser that also accepts `--snake_case` spellings and `--flag=value`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        kwargs.pop("deprecated", None) if sys.version_info < (3, 13) else None
+        return super().add_argument(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if args is None:
+            args = sys.argv[1:]
+        return super().parse_known_args(_normalize_flags(list(args)), namespace)
+
+
+def _normalize_flags(args: list[str]) -> list[str]:
+    out = []
+    for arg in args:
+        if arg.startswith("--") and not arg.startswith("---"):
+            name, sep, value = arg[2:].partition("=")
+            arg = "--" + name.replace("_", "-") + sep + value
+        out.append(arg)
+    return out

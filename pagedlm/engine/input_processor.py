@@ -1,0 +1,139 @@
+"""Turn a user prompt + params into a validated engine request (tokenize, check, clone params).
+
+Errors are raised here, before anything runs: empty prompts, ids out of vocabulary, prompts
+that do not fit `max_model_len`, invalid sampling parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedlm.config import ModelConfig
+from pagedlm.exceptions import VLLMValidationError
+from pagedlm.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | None
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    pooling_params: Any = None
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.generation_config = model_config.get_hf_generation_config()
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer else None
+        if self.eos_token_id is None:
+            eos = self.generation_config.get("eos_token_id")
+            self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
+
+    def tokenize_prompt(
+        self, prompt: Any, tokenization_kwargs: dict[str, Any] | None = None
+    ) -> tuple[str | None, list[int], str | None]:
+        """(prompt text, prompt token ids, cache salt) of one prompt in any accepted form."""
+        cache_salt = None
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), cache_salt
+            if "prompt_embeds" in prompt:
+                raise NotImplementedError("prompt_embeds prompts are not supported by pagedlm.")
+            if "prompt" not in prompt:
+                raise ValueError(
+                    f"A prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}"
+                )
+            prompt = prompt["prompt"]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt), cache_salt
+        if not isinstance(prompt, str):
+            raise TypeError(f"Unsupported prompt type {type(prompt).__name__}: {prompt!r:.80}")
+        if self.tokenizer is None:
+            raise ValueError(
+                "Text prompts are not allowed when `skip_tokenizer_init=True`; pass "
+                "{'prompt_token_ids': [...]} instead."
+            )
+        kwargs = dict(tokenization_kwargs or {})
+        truncate = kwargs.pop("truncate_prompt_tokens", None)
+        kwargs.setdefault("add_special_tokens", True)
+        token_ids = self.tokenizer.encode(prompt, **kwargs)
+        if truncate is not None and truncate >= 0:
+            token_ids = token_ids[-truncate:] if truncate else []
+        return prompt, token_ids, cache_salt
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} is out of vocabulary")
+        max_len = self.model_config.max_model_len
+        n = len(prompt_token_ids)
+        if n > max_len:
+            raise VLLMValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested 0 output tokens and your prompt contains {n} input tokens, for a "
+                f"total of {n} tokens. Please reduce the length of the input prompt or the "
+                "number of requested output tokens.",
+                parameter="prompt",
+                value=n,
+            )
+        if n == max_len:
+            raise ValueError(
+                f"The decoder prompt (length {n}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {max_len}. Make sure "
+                "that `max_model_len` is no smaller than the number of text tokens (prompt + "
+                "requested output tokens)."
+            )
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> EngineCoreRequest:
+        text, token_ids, cache_salt = self.tokenize_prompt(prompt, tokenization_kwargs)
+        self.validate_prompt(token_ids)
+        params = self.prepare_sampling_params(params, len(token_ids))
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+
+    def prepare_sampling_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Expected SamplingParams, got {type(params).__name__}")
+        if params.structured_outputs is not None:
+            raise NotImplementedError("Structured outputs are not supported by pagedlm yet.")
+        params.verify(
+            max_logprobs=self.model_config.max_logprobs, vocab_size=self.model_config.vocab_size
+        )
+        params = params.clone()
+        if params.max_tokens is None:
+            params.max_tokens = self.model_config.max_model_len - prompt_len
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        if params.bad_words and self.tokenizer is not None:
+            params.update_from_tokenizer(self.tokenizer)
+        if params.detokenize and self.tokenizer is None:
+            params.detokenize = False
+        return params

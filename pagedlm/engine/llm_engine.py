@@ -1,0 +1,217 @@
+"""LLMEngine: add_request / step / abort, in one process (scheduler, runner, output processing).
+
+One `step()`: schedule -> execute the model -> update requests -> build RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from pagedlm.config import VllmConfig
+from pagedlm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.input_processor import EngineCoreRequest, InputProcessor
+from pagedlm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedlm.engine.tokenizer import load_tokenizer
+from pagedlm.outputs import RequestOutput
+from pagedlm.platforms import current_platform
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.cache_config = vllm_config.cache_config
+        self.log_stats = log_stats
+        current_platform.seed_everything(self.model_config.seed)
+        self.tokenizer = load_tokenizer(self.model_config)
+        self.model_runner = ModelRunner(vllm_config)
+        num_blocks = self._determine_num_blocks()
+        self.cache_config.num_gpu_blocks = num_blocks
+        block_size = self.cache_config.block_size
+        self.model_runner.initialize_kv_cache(num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, self.cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            vllm_config.scheduler_config, self.cache_config, self.kv_cache_manager
+        )
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats)
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, usage_context: Any = None, **_: Any
+    ) -> LLMEngine:
+        config = engine_args.create_engine_config()
+        return cls(config, log_stats=not engine_args.disable_log_stats)
+
+    def _determine_num_blocks(self) -> int:
+        cache, sched = self.cache_config, self.vllm_config.scheduler_config
+        block_size = cache.block_size
+        per_block = self.model_runner.get_kv_cache_bytes_per_block(block_size)
+        max_len = self.model_config.max_model_len
+        blocks_per_seq = cdiv(max_len, block_size)
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        else:
+            budget = cache.kv_cache_memory_bytes
+            if budget is None:
+                budget = current_platform.kv_cache_budget_bytes(cache.gpu_memory_utilization)
+            # More blocks than max_num_seqs full-length sequences would never be used at once.
+            num_blocks = min(budget // per_block, sched.max_num_seqs * blocks_per_seq + 1)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"The KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks), "
+                f"fewer than one sequence of max_model_len={max_len}. Increase "
+                "kv_cache_memory_bytes (or gpu_memory_utilization) or decrease max_model_len."
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for %d tokens per "
+            "request: %.2fx",
+            num_blocks,
+            block_size,
+            num_blocks * per_block / 2**30,
+            max_len,
+            num_blocks / blocks_per_seq,
+        )
+        return num_blocks
+
+    # ---------------------------------------------------------------- requests
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Validate and queue one request; returns its internal id (external + random suffix)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id)}")
+        if lora_request is not None:
+            raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
+        if request_id in self.output_processor.external_to_internal:
+            raise ValueError(f"Request id {request_id} is already in use by a running request.")
+        internal_id = f"{request_id}-{secrets.token_hex(4)}"
+        request = self.input_processor.process_inputs(
+            internal_id, prompt, params, arrival_time, priority, tokenization_kwargs
+        )
+        if prompt_text is not None:
+            request.prompt = prompt_text
+        params = request.sampling_params
+        assert params is not None
+        if params.n == 1:
+            self._add_core_request(request, request_id, None, 0)
+            return internal_id
+        parent = ParentRequest(request_id, params.n)
+        for index in range(params.n):
+            child_params = params.clone()
+            if params.seed is not None:
+                child_params.seed = params.seed + index
+            child_params.n = 1
+            child = EngineCoreRequest(
+                request_id=f"{index}_{internal_id}",
+                prompt=request.prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=child_params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time,
+                priority=priority,
+                cache_salt=request.cache_salt,
+            )
+            self._add_core_request(child, request_id, parent, index)
+        return internal_id
+
+    def _add_core_request(
+        self,
+        request: EngineCoreRequest,
+        external_id: str,
+        parent: ParentRequest | None,
+        index: int,
+    ) -> None:
+        params = request.sampling_params
+        assert params is not None and params.max_tokens is not None
+        self.output_processor.add_request(request, external_id, parent, index)
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                params,
+                max_tokens=params.max_tokens,
+                eos_token_id=params.eos_token_id,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                block_size=self.cache_config.block_size,
+                cache_salt=request.cache_salt,
+            )
+        )
+
+    def abort_request(self, request_ids: list[str] | str, internal: bool = False) -> None:
+        """Abort requests by external id (default; all children too) or by internal id."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        if internal:
+            wanted = set(request_ids)
+            internal_ids = [
+                rid
+                for rid in self.output_processor.request_states
+                if rid in wanted or rid.partition("_")[2] in wanted
+            ]
+        else:
+            internal_ids = [
+                i
+                for e in request_ids
+                for i in self.output_processor.external_to_internal.get(e, [])
+            ]
+        self.output_processor.abort_requests(internal_ids)
+        self.scheduler.finish_requests(internal_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled_requests:
+            raise RuntimeError(
+                "The scheduler could not schedule any request although some are waiting; this "
+                "is a bug in pagedlm (please report it with the engine arguments used)."
+            )
+        runner_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        request_outputs, reqs_to_abort = self.output_processor.process_outputs(core_outputs)
+        if reqs_to_abort:
+            self.scheduler.finish_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        return request_outputs
+
+    # ----------------------------------------------------------------- control
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)

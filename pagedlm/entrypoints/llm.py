@@ -1,0 +1,246 @@
+"""LLM: vLLM's offline facade. Renders prompts, adds requests, runs the engine, orders outputs.
+
+Request ids are "0", "1", ... from a counter that keeps increasing across calls; outputs come
+back in input order. If adding any request of a call fails, the ones already added are aborted
+and the error is raised, so a failed call leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.inputs import prompt_to_seq
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """An offline engine: `LLM(model, **engine_args)`; every option is keyword-only."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        chat_template: str | None = None,
+        seed: int | None = 0,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("disable_log_stats", True)
+        if "swap_space" in kwargs:
+            kwargs.pop("swap_space")
+            logger.warning("swap_space is deprecated and ignored.")
+        engine_args = EngineArgs(model=model, tokenizer=tokenizer, seed=seed, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.engine_class = LLMEngine
+        self.model_config = self.llm_engine.model_config
+        self.request_counter = itertools.count()
+        self.chat_template = chat_template
+        self.default_sampling_params: dict[str, Any] | None = None
+        self.supported_tasks = self.llm_engine.get_supported_tasks()
+        self.runner_type = self.model_config.runner_type
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        return cls(**vars(engine_args))
+
+    # ------------------------------------------------------------ introspection
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config defaults (cached), or plain SamplingParams()."""
+        if self.default_sampling_params is None:
+            self.default_sampling_params = self.model_config.get_diff_sampling_param()
+        if self.default_sampling_params:
+            return SamplingParams.from_optional(**self.default_sampling_params)
+        return SamplingParams()
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def __repr__(self) -> str:
+        return f"LLM(model={self.model_config.model!r})"
+
+    # --------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        self._check_generate("LLM.generate()")
+        self._add_requests(
+            prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
+        )
+        return self._run_engine(use_tqdm=use_tqdm)
+
+    def enqueue(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """Add requests without running them; `wait_for_completion()` runs everything queued."""
+        if self.runner_type != "generate":
+            raise ValueError("LLM.enqueue() is only supported for generative models.")
+        return self._add_requests(
+            prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
+        )
+
+    def wait_for_completion(
+        self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: bool = True
+    ) -> list[Any]:
+        return self._run_engine(use_tqdm=use_tqdm, output_type=output_type)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        self._check_generate("LLM.chat()")
+        from pagedlm.entrypoints.chat_utils import render_conversations
+
+        prompts = render_conversations(
+            self.get_tokenizer(),
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.generate(
+            prompts,
+            sampling_params,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+            tokenization_kwargs=tokenization_kwargs,
+        )
+
+    def _check_generate(self, method: str) -> None:
+        if self.runner_type != "generate":
+            raise ValueError(
+                f"{method} is only supported for generative models. Try passing "
+                "`--runner generate` to use the model as a generative model."
+            )
+
+    # ----------------------------------------------------------------- helpers
+    def _add_requests(
+        self,
+        prompts: Any,
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool | Callable[..., tqdm],
+        lora_request: Any,
+        priority: list[int] | None,
+        tokenization_kwargs: dict[str, Any] | None,
+    ) -> list[str]:
+        prompt_list = prompt_to_seq(prompts)
+        n = len(prompt_list)
+        if params is None:
+            params = self.get_default_sampling_params()
+        if isinstance(params, Sequence):
+            if len(params) != n:
+                raise ValueError(
+                    f"The lengths of prompts ({n}) and params ({len(params)}) must be the same."
+                )
+            param_list = list(params)
+        else:
+            param_list = [params] * n
+        if priority is not None and len(priority) != n:
+            raise ValueError(
+                f"The lengths of prompts ({n}) and priority ({len(priority)}) must be the same."
+            )
+        for p in param_list:
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+        added: list[str] = []
+        items = zip(prompt_list, param_list)
+        if use_tqdm and n:
+            tqdm_func = use_tqdm if callable(use_tqdm) else tqdm
+            items = tqdm_func(items, total=n, desc="Rendering prompts", dynamic_ncols=True)
+        try:
+            for i, (prompt, p) in enumerate(items):
+                request_id = str(next(self.request_counter))
+                added.append(
+                    self.llm_engine.add_request(
+                        request_id,
+                        prompt,
+                        p,
+                        lora_request=lora_request,
+                        tokenization_kwargs=tokenization_kwargs,
+                        priority=priority[i] if priority else 0,
+                    )
+                )
+        except BaseException:
+            self.llm_engine.abort_request(added, internal=True)
+            raise
+        return added
+
+    def _run_engine(
+        self, *, use_tqdm: bool | Callable[..., tqdm] = True, output_type: Any = None
+    ) -> list[Any]:
+        engine = self.llm_engine
+        output_type = output_type or RequestOutput
+        pbar = None
+        if use_tqdm:
+            tqdm_func = use_tqdm if callable(use_tqdm) else tqdm
+            pbar = tqdm_func(
+                total=engine.get_num_unfinished_requests(),
+                desc="Processed prompts",
+                dynamic_ncols=True,
+                postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s",
+            )
+        outputs: list[Any] = []
+        total_in = total_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    assert isinstance(output, output_type), type(output)
+                    if not output.finished:
+                        continue
+                    outputs.append(output)
+                    if pbar is None:
+                        continue
+                    n = len(output.outputs)
+                    total_in += len(output.prompt_token_ids or ()) * n
+                    total_out += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = pbar.format_dict["elapsed"] or 1e-9
+                    pbar.postfix = (
+                        f"est. speed input: {total_in / elapsed:.2f} toks/s, "
+                        f"output: {total_out / elapsed:.2f} toks/s"
+                    )
+                    pbar.update(n)
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return sorted(outputs, key=lambda o: int(o.request_id))

@@ -1,0 +1,28 @@
+"""Exceptions shared across pagedlm (mirrors ``vllm.exceptions``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class VLLMValidationError(ValueError):
+    """A request-validation failure.
+
+    It is a ``ValueError`` so that ``except ValueError`` callers keep working. ``parameter`` names
+    the offending argument and ``value`` holds what was rejected; both are optional and, when set,
+    are appended to ``str(exc)`` as ``" (parameter=..., value=...)"``.
+    """
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        extras: list[str] = []
+        if self.parameter is not None:
+            extras.append(f"parameter={self.parameter}")
+        if self.value is not None:
+            extras.append(f"value={self.value}")
+        return f"{base} ({', '.join(extras)})" if extras else base

