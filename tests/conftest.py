@@ -60,7 +60,7 @@ def tiny_model_factory(tmp_path_factory):
     cache: dict[tuple, Path] = {}
 
     def factory(arch: str = "qwen2", **overrides) -> Path:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             path = tmp_path_factory.mktemp(f"tiny-{arch}")
             cache[key] = make_tiny_model(path, arch, **overrides)

@@ -1,0 +1,94 @@
+"""The same greedy tokens whatever the scheduling: preemption, chunking, batch size, order,
+prefix caching. Invariants of the block pool are checked after every engine step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+
+MAX_TOKENS = 10
+
+
+def _prompts(n: int = 12) -> list[list[int]]:
+    rng = random.Random(1)
+    shared = [rng.randrange(5, 500) for _ in range(20)]
+    prompts = []
+    for i in range(n):
+        tail = [rng.randrange(5, 500) for _ in range(rng.randrange(1, 40))]
+        prompts.append((shared if i % 2 else []) + tail)
+    return prompts
+
+
+def _run(model, prompts, check_invariants: bool = True, **kwargs) -> list[list[int]]:
+    llm = LLM(str(model), dtype="float32", max_model_len=128, **kwargs)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    outputs: dict[str, list[int]] = {}
+    preempted = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        if check_invariants:
+            engine.scheduler.check_invariants()
+        preempted = max(preempted, engine.scheduler.num_preemptions)
+    kv = engine.kv_cache_manager
+    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks
+    assert not kv.req_to_blocks
+    _run.last_preemptions = preempted
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen2):
+    return _run(tiny_qwen2, _prompts(), enable_prefix_caching=False)
+
+
+def test_tiny_kv_pool_preempts_and_matches(tiny_qwen2, reference) -> None:
+    got = _run(tiny_qwen2, _prompts(), num_gpu_blocks_override=10, block_size=16)
+    assert _run.last_preemptions > 0
+    assert got == reference
+
+
+def test_small_token_budget_chunks_every_prompt(tiny_qwen2, reference) -> None:
+    assert _run(tiny_qwen2, _prompts(), max_num_batched_tokens=8) == reference
+
+
+def test_prefix_caching_on_matches_off(tiny_qwen2, reference) -> None:
+    assert _run(tiny_qwen2, _prompts(), enable_prefix_caching=True, block_size=4) == reference
+
+
+def test_batch_of_one_matches_batch_of_many(tiny_qwen2, reference) -> None:
+    assert _run(tiny_qwen2, _prompts(), max_num_seqs=1) == reference
+
+
+def test_other_submission_order(tiny_qwen2, reference) -> None:
+    prompts = _prompts()
+    order = list(range(len(prompts)))
+    random.Random(3).shuffle(order)
+    got = _run(tiny_qwen2, [prompts[i] for i in order])
+    assert [got[order.index(i)] for i in range(len(prompts))] == reference
+
+
+def test_batch_of_32_matches_batch_of_1(tiny_qwen2) -> None:
+    prompts = _prompts(32)
+    assert _run(tiny_qwen2, prompts, check_invariants=False) == _run(
+        tiny_qwen2, prompts, check_invariants=False, max_num_seqs=1
+    )
+
+
+def test_everything_small_at_once(tiny_qwen2, reference) -> None:
+    got = _run(
+        tiny_qwen2,
+        _prompts(),
+        num_gpu_blocks_override=40,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+    )
+    assert got == reference
