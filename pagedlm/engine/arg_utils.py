@@ -163,7 +163,7 @@ class EngineArgs:
                 )
             elif f.name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
                 group.add_argument(flag, type=_parse_size, default=default, help=help_text)
-            elif dict in args or typing.get_origin(kind) is dict or kind is Any:
+            elif kind is Any or any(typing.get_origin(a) is dict for a in (kind, *args)):
                 group.add_argument(flag, type=json.loads, default=default, help=help_text)
             elif kind is int or int in args:
                 group.add_argument(flag, type=int, default=default, help=help_text)
