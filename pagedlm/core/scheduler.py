@@ -145,10 +145,10 @@ class Scheduler:
                 out.num_scheduled_tokens[request.request_id] = num_new
                 budget -= num_new
                 i += 1
-                continue
-            break  # the request itself was preempted: nothing else fits
+            # When the request preempted itself (priority policy: it was the lowest), index i
+            # now points at the next running request, which may still fit without new blocks.
 
-        if not preempted:
+        if not preempted or not scheduled:
             budget = self._admit_waiting(out, scheduled, budget, threshold)
 
         now = time.monotonic()

@@ -140,6 +140,11 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
             )
+        if self.logprobs_mode not in ("raw_logprobs", "raw_logits"):
+            raise NotImplementedError(
+                f"logprobs_mode={self.logprobs_mode!r} is not supported yet (raw_logprobs, "
+                "raw_logits)."
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."

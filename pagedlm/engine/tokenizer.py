@@ -12,6 +12,11 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         return None
     from transformers import AutoTokenizer
 
+    if model_config.tokenizer.endswith(".gguf"):
+        from pagedlm.model_loader.catalog import cache_dir
+        from pagedlm.model_loader.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(model_config.tokenizer, cache_dir())
     try:
         return AutoTokenizer.from_pretrained(
             model_config.tokenizer,

@@ -178,7 +178,8 @@ def apply_top_k_top_p(
     if top_p is not None:
         probs = sorted_logits.softmax(-1)
         cum_before = probs.cumsum(-1) - probs  # mass strictly before each token
-        remove = cum_before >= top_p.unsqueeze(1)
+        # rows with top_p == 1 keep everything (fp32 cumsums can reach 1 before the tail)
+        remove = (cum_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         remove[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

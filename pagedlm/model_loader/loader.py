@@ -36,6 +36,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         generator = torch.Generator().manual_seed(model_config.seed or 0)
         for param in model.parameters():
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    elif model_config.gguf_file is not None:
+        from pagedlm.model_loader.gguf_loader import iterate_gguf
+
+        model.load_weights(iterate_gguf(model_config.gguf_file, model_config.hf_config))
     else:
         model.load_weights(iterate_safetensors(model_config.model_path))
     model.eval()

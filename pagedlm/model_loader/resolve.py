@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,11 @@ def resolve_model(
     model: str, revision: str | None = None, hf_token: str | None = None
 ) -> ResolvedModel:
     """Local directory > local .gguf file > Hugging Face hub id (through huggingface_hub)."""
+    from pagedlm.model_loader.catalog import resolve_packaged_model
+
+    packaged = resolve_packaged_model(model)
+    if packaged is not None:
+        return ResolvedModel(str(packaged), str(packaged), str(packaged))
     local = Path(model).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -30,11 +34,12 @@ def resolve_model(
     if local.suffix == ".gguf":
         if not local.is_file():
             raise FileNotFoundError(f"GGUF file {local} does not exist.")
-        raise NotImplementedError(
-            "Loading GGUF files is not implemented yet; convert it to a Hugging Face directory."
+        return ResolvedModel(str(local), str(local), str(local))
+    if local.is_absolute() or model.startswith((".", "~")):
+        raise FileNotFoundError(
+            f"Model path {model} does not exist. Pass a Hugging Face model directory, a .gguf "
+            "file, a hub id, or a packaged model name (qwen2.5-coder-0.5b-instruct, gemma-3-270m)."
         )
-    if local.is_absolute() or model.startswith((".", "~")) or os.sep + os.sep in model:
-        raise FileNotFoundError(f"Model path {model} does not exist.")
     return ResolvedModel(*([_download_from_hub(model, revision, hf_token)] * 2))
 
 
@@ -62,6 +67,10 @@ def _download_from_hub(repo_id: str, revision: str | None, hf_token: str | None)
 
 
 def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False) -> Any:
+    if resolved.gguf_file is not None:
+        from pagedlm.model_loader.gguf_loader import load_gguf_config
+
+        return load_gguf_config(resolved.gguf_file)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)

@@ -1,0 +1,104 @@
+"""The `pagedlm` command: generate, chat (more subcommands register themselves here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagedlm.engine.arg_utils import EngineArgs, FlexibleArgumentParser
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--sampling-seed", type=int, default=None, help="Per-request seed.")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedlm import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+    )
+
+
+def _make_llm(args: argparse.Namespace):
+    from pagedlm import LLM
+
+    engine_args = EngineArgs.from_cli_args(args)
+    return LLM(**vars(engine_args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
+        if len(args.prompts) > 1:
+            print(f"### {out.prompt}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    conversation: list[dict[str, str]] = []
+    if args.system:
+        conversation.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chat with the model; an empty line or Ctrl-D ends the conversation.")
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not line.strip():
+            break
+        conversation.append({"role": "user", "content": line})
+        reply = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+        conversation.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+    return 0
+
+
+def build_parser() -> FlexibleArgumentParser:
+    parser = FlexibleArgumentParser(prog="pagedlm", description="Offline LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="Complete one or more prompts.")
+    gen.add_argument("prompts", nargs="+", help="Prompt texts.")
+    _sampling_args(gen)
+    EngineArgs.add_cli_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="Chat interactively (keeps the conversation).")
+    chat.add_argument("--system", default=None, help="System prompt.")
+    _sampling_args(chat)
+    EngineArgs.add_cli_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands():
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""TorchSDPABackend against a dense fp32 reference with explicit masks; step-input layout."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pagedlm.attention.backend import CommonAttentionMetadata
+from pagedlm.attention.torch_sdpa import TorchSDPABackend
+from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.request import Request
+from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.worker.input_batch import build_step_inputs
+
+HEAD_SIZE = 8
+ATOL = RTOL = 1e-5
+
+
+def reference_attention(
+    q: torch.Tensor,  # [n, heads, d]: the last n positions of the sequence
+    k: torch.Tensor,  # [seq_len, kv_heads, d]
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    n, heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    mask = torch.full((n, seq_len), float("-inf"), dtype=torch.float64)
+    for i in range(n):
+        q_pos = seq_len - n + i
+        for k_pos in range(seq_len):
+            if k_pos <= q_pos and (window is None or q_pos - k_pos < window):
+                mask[i, k_pos] = 0.0
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale + mask
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.double()).float()
+
+
+def run_case(
+    specs: list[tuple[int, int]],  # (tokens already in the cache, new tokens), batch order
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    block_size: int = 4,
+    window: int | None = None,
+    seed: int = 0,
+    pad_rows: int = 0,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_decodes = 0
+    while num_decodes < len(specs) and specs[num_decodes][1] == 1:
+        num_decodes += 1
+    assert all(n != 1 for _, n in specs[num_decodes:]), "decodes must come first"
+    seq_lens = [c + n for c, n in specs]
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3  # some blocks nobody uses
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for nb in blocks_per_req:
+        tables.append(perm[at : at + nb])
+        at += nb
+
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, HEAD_SIZE)
+    full_k = [torch.randn(s, num_kv_heads, HEAD_SIZE, generator=gen) for s in seq_lens]
+    full_v = [torch.randn(s, num_kv_heads, HEAD_SIZE, generator=gen) for s in seq_lens]
+    queries = [torch.randn(n, num_heads, HEAD_SIZE, generator=gen) for _, n in specs]
+
+    def slot(req: int, pos: int) -> int:
+        return tables[req][pos // block_size] * block_size + pos % block_size
+
+    for r, (computed, _) in enumerate(specs):
+        for pos in range(computed):
+            block, offset = divmod(slot(r, pos), block_size)
+            kv_cache[0, block, offset] = full_k[r][pos]
+            kv_cache[1, block, offset] = full_v[r][pos]
+    before = kv_cache.clone()
+
+    query_lens = [n for _, n in specs]
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    block_table = np.zeros((len(specs), max(blocks_per_req)), dtype=np.int64)
+    for r, table in enumerate(tables):
+        block_table[r, : len(table)] = table
+    slot_mapping = np.array(
+        [slot(r, pos) for r, (c, n) in enumerate(specs) for pos in range(c, c + n)], np.int64
+    )
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=np.array(seq_lens, dtype=np.int64),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        num_decodes=num_decodes,
+    )
+    query = torch.cat(queries)
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, specs)])
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, specs)])
+    if pad_rows:  # inputs padded past the real tokens (as for a captured graph)
+        query = torch.cat([query, torch.randn(pad_rows, num_heads, HEAD_SIZE, generator=gen)])
+        key = torch.cat([key, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
+        value = torch.cat([value, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
+
+    backend = TorchSDPABackend()
+    metadata = backend.build(common, torch.device("cpu"))
+    scale = HEAD_SIZE**-0.5
+    out = backend.forward(query, key, value, kv_cache, metadata, scale, window)
+    assert out.shape == query.shape
+
+    expected = torch.cat(
+        [reference_attention(q, k, v, scale, window) for q, k, v in zip(queries, full_k, full_v)]
+    )
+    num_tokens = int(query_start_loc[-1])
+    torch.testing.assert_close(out[:num_tokens], expected, atol=ATOL, rtol=RTOL)
+
+    # The new keys/values landed at their slots; nothing else in the cache changed.
+    flat = kv_cache.view(2, -1, num_kv_heads, HEAD_SIZE)
+    slots = torch.from_numpy(slot_mapping)
+    torch.testing.assert_close(flat[0, slots], key[:num_tokens], atol=0, rtol=0)
+    torch.testing.assert_close(flat[1, slots], value[:num_tokens], atol=0, rtol=0)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    flat_before = before.view(2, -1, num_kv_heads, HEAD_SIZE)
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched])
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (4, 4), (4, 1)])
+def test_prefills_unequal_lengths(num_heads: int, num_kv_heads: int) -> None:
+    run_case([(0, 5), (0, 8), (0, 13), (0, 2)], num_heads, num_kv_heads)
+
+
+@pytest.mark.parametrize("length", [4, 8, 5, 9, 12, 13])  # len % block_size in {0, 1}
+def test_prefill_block_boundaries(length: int) -> None:
+    run_case([(0, length), (0, 3)])
+
+
+@pytest.mark.parametrize("computed, query_len", [(4, 3), (8, 5), (5, 4), (7, 2), (3, 9), (1, 12)])
+def test_chunk_after_cached_prefix(computed: int, query_len: int) -> None:
+    run_case([(computed, query_len), (0, 6)])
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (4, 4)])
+def test_pure_decode_batch(num_heads: int, num_kv_heads: int) -> None:
+    # seq_lens 1, 4, 5, 8, 9, 17: one token prompts and len % block_size in {0, 1}
+    run_case([(0, 1), (3, 1), (4, 1), (7, 1), (8, 1), (16, 1)], num_heads, num_kv_heads)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (4, 4)])
+def test_mixed_batch(num_heads: int, num_kv_heads: int) -> None:
+    run_case(
+        [(6, 1), (12, 1), (0, 1), (0, 7), (9, 3), (4, 4), (0, 2)],
+        num_heads,
+        num_kv_heads,
+        seed=3,
+    )
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 16])
+def test_mixed_batch_block_sizes(block_size: int) -> None:
+    run_case([(5, 1), (10, 1), (0, 11), (7, 6)], block_size=block_size, seed=block_size)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 6, 64])
+def test_sliding_window(window: int) -> None:
+    # decodes, a fresh prefill and a chunk after a cached prefix, all longer than the window
+    run_case([(9, 1), (2, 1), (0, 10), (7, 5)], window=window, seed=window)
+
+
+def test_sliding_window_pure_prefill() -> None:
+    run_case([(0, 9), (0, 3)], window=4)
+
+
+def test_padded_input_rows_are_ignored() -> None:
+    run_case([(5, 1), (0, 6), (3, 4)], pad_rows=5)
+
+
+# ------------------------------------------------------------------- step inputs
+
+
+def _request(request_id: str, num_tokens: int, block_size: int) -> Request:
+    return Request(
+        request_id,
+        [1000 * (ord(request_id) - ord("a") + 1) + i for i in range(num_tokens)],
+        SamplingParams(max_tokens=4),
+        max_tokens=4,
+        block_size=block_size,
+    )
+
+
+def test_build_step_inputs_order_and_slot_mapping() -> None:
+    bs = 4
+    kv = KVCacheManager(num_blocks=16, block_size=bs, enable_caching=False)
+    pool = kv.block_pool.blocks
+    a = _request("a", 6, bs)  # prefill of its 6-token prompt
+    b = _request("b", 10, bs)  # decode: 9 computed, 1 new
+    c = _request("c", 10, bs)  # chunk 4..6 (3 tokens) of a 10-token prompt: no sample
+    d = _request("d", 5, bs)  # decode: 4 computed, 1 new (first slot of a new block)
+    tables = {"a": [7, 2], "b": [3, 9, 11], "c": [0, 5], "d": [14, 6]}
+    for rid, block_ids in tables.items():
+        kv.req_to_blocks[rid] = [pool[i] for i in block_ids]
+    so = SchedulerOutput(
+        scheduled_requests=[a, b, c, d],
+        num_scheduled_tokens={"a": 6, "b": 1, "c": 3, "d": 1},
+        num_computed_tokens={"a": 0, "b": 9, "c": 4, "d": 4},
+    )
+    inputs = build_step_inputs(so, kv)
+
+    assert [r.request_id for r in inputs.requests] == ["b", "d", "a", "c"]
+    attn = inputs.attn
+    assert attn.num_decodes == 2
+    assert attn.query_start_loc.tolist() == [0, 1, 2, 8, 11]
+    assert attn.seq_lens.tolist() == [10, 5, 6, 7]
+    assert attn.block_table.tolist() == [[3, 9, 11], [14, 6, 0], [7, 2, 0], [0, 5, 0]]
+    assert inputs.positions.tolist() == [9, 4, 0, 1, 2, 3, 4, 5, 4, 5, 6]
+    assert inputs.input_ids.tolist() == [
+        2009,
+        4004,
+        *(1000 + i for i in range(6)),
+        3004,
+        3005,
+        3006,
+    ]
+    # slot = block_id * bs + pos % bs, by hand:
+    # b pos 9 -> block 11 -> 45; d pos 4 -> block 6 -> 24;
+    # a pos 0..3 -> block 7 -> 28..31, pos 4, 5 -> block 2 -> 8, 9;
+    # c pos 4, 5, 6 -> block 5 -> 20, 21, 22.
+    assert attn.slot_mapping.tolist() == [45, 24, 28, 29, 30, 31, 8, 9, 20, 21, 22]
+    assert [r.request_id for r in inputs.sampling_requests] == ["b", "d", "a"]
+    assert inputs.logits_indices.tolist() == [0, 1, 7]
+    assert inputs.query_starts == {"b": (0, 1, 9), "d": (1, 1, 4), "a": (2, 6, 0), "c": (8, 3, 4)}
+    for arr in (attn.query_start_loc, attn.seq_lens, attn.block_table, attn.slot_mapping):
+        assert arr.dtype == np.int64
+
+
+def test_build_step_inputs_feeds_the_backend() -> None:
+    """The builder's metadata and a cache filled through it match the dense reference."""
+    bs, heads, kv_heads = 2, 4, 2
+    kv = KVCacheManager(num_blocks=12, block_size=bs, enable_caching=False)
+    pool = kv.block_pool.blocks
+    reqs = [_request("a", 5, bs), _request("b", 3, bs), _request("c", 4, bs)]
+    tables = {"a": [4, 0, 9], "b": [7, 1], "c": [11, 3]}
+    for rid, block_ids in tables.items():
+        kv.req_to_blocks[rid] = [pool[i] for i in block_ids]
+    gen = torch.Generator().manual_seed(5)
+    full = {
+        r.request_id: [torch.randn(r.num_tokens, kv_heads, HEAD_SIZE, generator=gen) for _ in "kv"]
+        for r in reqs
+    }
+    kv_cache = torch.zeros(2, 12, bs, kv_heads, HEAD_SIZE)
+    backend = TorchSDPABackend()
+    # step 1: chunks of a and c (3 tokens each); step 2: the rest of a (2 tokens after a cached
+    # prefix), b whole, and c's last token (a decode-shaped row reading 3 cached tokens).
+    plan = [
+        ({"a": 3, "c": 3}, {"a": 0, "c": 0}),
+        ({"a": 2, "b": 3, "c": 1}, {"a": 3, "b": 0, "c": 3}),
+    ]
+    scale = HEAD_SIZE**-0.5
+    for num_sched, computed in plan:
+        so = SchedulerOutput(
+            scheduled_requests=[r for r in reqs if r.request_id in num_sched],
+            num_scheduled_tokens=num_sched,
+            num_computed_tokens=computed,
+        )
+        inputs = build_step_inputs(so, kv)
+        order = [r.request_id for r in inputs.requests]
+        new = {rid: slice(computed[rid], computed[rid] + num_sched[rid]) for rid in order}
+        key = torch.cat([full[rid][0][new[rid]] for rid in order])
+        value = torch.cat([full[rid][1][new[rid]] for rid in order])
+        queries = {
+            rid: torch.randn(num_sched[rid], heads, HEAD_SIZE, generator=gen) for rid in order
+        }
+        query = torch.cat([queries[rid] for rid in order])
+        metadata = backend.build(inputs.attn, torch.device("cpu"))
+        out = backend.forward(query, key, value, kv_cache, metadata, scale, None)
+        expected = torch.cat(
+            [
+                reference_attention(
+                    queries[rid],
+                    full[rid][0][: computed[rid] + num_sched[rid]],
+                    full[rid][1][: computed[rid] + num_sched[rid]],
+                    scale,
+                    None,
+                )
+                for rid in order
+            ]
+        )
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    assert order == ["c", "a", "b"]
