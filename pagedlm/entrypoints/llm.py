@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.entrypoints.chat_utils import render_conversations
 from pagedlm.inputs import prompt_to_seq
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
@@ -69,6 +70,10 @@ class LLM:
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def get_metrics(self) -> list[Any]:
+        """A snapshot of the vLLM-named Prometheus metrics (needs disable_log_stats=False)."""
+        return self.llm_engine.get_metrics()
 
     def __repr__(self) -> str:
         return f"LLM(model={self.model_config.model!r})"
@@ -129,8 +134,6 @@ class LLM:
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         self._check_generate("LLM.chat()")
-        from pagedlm.entrypoints.chat_utils import render_conversations
-
         prompts = render_conversations(
             self.get_tokenizer(),
             messages,
@@ -146,6 +149,38 @@ class LLM:
             use_tqdm=use_tqdm,
             lora_request=lora_request,
             tokenization_kwargs=tokenization_kwargs,
+        )
+
+    def enqueue_chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """`enqueue` for conversations: rendered now, run by `wait_for_completion()`."""
+        if self.runner_type != "generate":
+            raise ValueError("LLM.enqueue_chat() is only supported for generative models.")
+        prompts = render_conversations(
+            self.get_tokenizer(),
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self._add_requests(
+            prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
         )
 
     def _check_generate(self, method: str) -> None:

@@ -14,8 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+from pagedlm.model_loader.gguf_reader import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -52,37 +53,17 @@ _ARCHITECTURES = {
 
 
 @lru_cache(maxsize=4)
-def _reader(path: str):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:
-        raise ValueError(
-            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated "
-            "or corrupt."
-        ) from e
+def _reader(path: str) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
 def gguf_metadata(path: str | Path) -> dict[str, Any]:
     """Scalar metadata of a GGUF file (arrays such as the vocabulary are left out)."""
-    reader = _reader(str(path))
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and len(field.data) > 1:
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # noqa: BLE001 - exotic field types are not needed
-            continue
-    return out
+    return {k: v for k, v in _reader(str(path)).metadata.items() if not isinstance(v, list)}
 
 
 def load_gguf_config(path: str | Path) -> Any:
@@ -98,7 +79,7 @@ def load_gguf_config(path: str | Path) -> Any:
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = len(reader.metadata["tokenizer.ggml.tokens"])
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     head_dim = get("attention.key_length", hidden // num_heads)
@@ -183,8 +164,7 @@ def iterate_gguf(path: str | Path, config: Any) -> Iterator[tuple[str, torch.Ten
         name = _hf_name(arch, tensor.name)
         if name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in {arch} models")
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        weight = dequantize(np.asarray(tensor.data), int(tensor.tensor_type), shape)
+        weight = dequantize(reader.tensor_bytes(tensor), tensor.ggml_type, tensor.shape)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads
             if "k_proj" in name:
