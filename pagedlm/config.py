@@ -81,7 +81,19 @@ class ModelConfig:
     load_format: str = "auto"
     enforce_eager: bool = True
     gguf_file: str | None = None
-    runner_type: str = "generate"
+    runner_type: str = "generate"  # resolved: "generate" or "pooling"
+    runner: str = "auto"  # as requested
+    convert: str = "auto"
+    pooling_task: str | None = None  # "embed" or "classify" for pooling models
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        if self.runner_type == "generate":
+            return ("generate",)
+        tasks: tuple[str, ...] = (self.pooling_task,) if self.pooling_task else ()
+        if self.pooling_task == "embed" or getattr(self.hf_config, "num_labels", 0) == 1:
+            tasks += ("score",)
+        return tasks
 
     @property
     def architecture(self) -> str:

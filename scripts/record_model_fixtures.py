@@ -45,20 +45,30 @@ def record(name: str) -> None:
     cases = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-        cases.append({"chat": CHAT, "prompt_token_ids": tokenizer.encode(
-            text, add_special_tokens=False)})
+        cases.append(
+            {"chat": CHAT, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        )
     with torch.no_grad():
         for case in cases:
             ids = torch.tensor([case["prompt_token_ids"]])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                do_sample=False, eos_token_id=None, pad_token_id=tokenizer.eos_token_id,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tokenizer.eos_token_id,
             )
-            case["token_ids"] = out[0, ids.shape[1]:].tolist()
+            case["token_ids"] = out[0, ids.shape[1] :].tolist()
             case["text"] = tokenizer.decode(case["token_ids"])
             print(repr(case.get("prompt", "chat")), "->", repr(case["text"]))
-    fixture = {"model": name, "max_tokens": MAX_TOKENS, "dtype": "float32",
-               "transformers": __import__("transformers").__version__, "cases": cases}
+    fixture = {
+        "model": name,
+        "max_tokens": MAX_TOKENS,
+        "dtype": "float32",
+        "transformers": __import__("transformers").__version__,
+        "cases": cases,
+    }
     out_path = ROOT / "tests" / "fixtures" / f"{name}.json"
     out_path.write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
     print("wrote", out_path)

@@ -43,6 +43,17 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Write key/value into the cache at the slot mapping, then attend."""
 
+    def forward_encoder(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """Bidirectional attention within each request (encoder-only models, no KV cache)."""
+        raise NotImplementedError(f"{type(self).__name__} has no encoder attention")
+
 
 def get_attn_backend(device: torch.device) -> AttentionBackend:
     from pagedlm.attention.torch_sdpa import TorchSDPABackend

@@ -33,6 +33,7 @@ class SDPAMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] long
     max_decode_seq_len: int
     prefills: list[PrefillChunk]
+    query_start_loc: list[int] = field(default_factory=list)  # segments, for encoder attention
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -83,6 +84,7 @@ class TorchSDPABackend(AttentionBackend):
             decode_seq_lens=decode_lens,
             max_decode_seq_len=max_decode,
             prefills=prefills,
+            query_start_loc=common.query_start_loc.tolist(),
         )
 
     def forward(
@@ -144,4 +146,21 @@ class TorchSDPABackend(AttentionBackend):
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
                 )
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    def forward_encoder(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: SDPAMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Bidirectional attention within each request's tokens; no KV cache."""
+        out = torch.empty_like(query)
+        starts = metadata.query_start_loc
+        for s, e in zip(starts[:-1], starts[1:]):
+            q, k, v = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+            out[s:e] = o.squeeze(0).transpose(0, 1)
         return out

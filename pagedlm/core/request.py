@@ -61,10 +61,12 @@ class Request:
         block_size: int = 16,
         cache_salt: str | None = None,
         pooling_params: object | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
+        self.token_type_ids = token_type_ids
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.time()

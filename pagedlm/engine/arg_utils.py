@@ -134,6 +134,10 @@ class EngineArgs:
                     f"{name}={getattr(self, name)!r} is not supported by pagedlm yet "
                     f"(only {default!r}); see the README's list of supported features."
                 )
+        if self.convert not in ("auto", "none", "embed", "classify"):
+            raise ValueError(
+                f"convert must be auto, none, embed or classify, got {self.convert!r}."
+            )
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -204,11 +208,19 @@ class EngineArgs:
                 f"max_model_len={max_model_len} is longer than the model allows ({derived}, from "
                 "its config). Pass a smaller --max-model-len."
             )
-        chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        from pagedlm.models.registry import ModelRegistry
+
+        archs = getattr(hf_config, "architectures", None) or [""]
+        _, runner, pooling_task = ModelRegistry.resolve_model_cls(
+            archs[0], self.runner, self.convert
+        )
+        pooling = runner == "pooling"
+        # Pooling requests are computed whole in one step (encoders attend bidirectionally).
+        chunked = not pooling and self.enable_chunked_prefill is not False
+        prefix_caching = not pooling and self.enable_prefix_caching is not False
         max_batched = self.max_num_batched_tokens or 4096
         if not chunked:
             max_batched = max(max_batched, max_model_len)
-        runner = self.runner if self.runner != "auto" else "generate"
         model_config = ModelConfig(
             model=self.model,
             model_path=resolved.path,
@@ -230,12 +242,13 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             gguf_file=resolved.gguf_file,
             runner_type=runner,
+            runner=self.runner,
+            convert=self.convert,
+            pooling_task=pooling_task,
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16,
-            enable_prefix_caching=(
-                True if self.enable_prefix_caching is None else self.enable_prefix_caching
-            ),
+            enable_prefix_caching=prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,

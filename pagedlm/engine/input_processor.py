@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedlm.config import ModelConfig
 from pagedlm.exceptions import VLLMValidationError
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     pooling_params: Any = None
+    token_type_ids: list[int] | None = None
 
 
 class InputProcessor:
@@ -71,13 +73,16 @@ class InputProcessor:
             token_ids = token_ids[-truncate:] if truncate else []
         return prompt, token_ids, cache_salt
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("The decoder prompt cannot be empty")
+    def validate_prompt_vocab(self, prompt_token_ids: list[int]) -> None:
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"Token id {bad} is out of vocabulary")
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        self.validate_prompt_vocab(prompt_token_ids)
         max_len = self.model_config.max_model_len
         n = len(prompt_token_ids)
         if n > max_len:
@@ -118,6 +123,67 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt,
+        )
+
+    def process_pooling_inputs(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: PoolingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> EngineCoreRequest:
+        """Tokenize (truncating only when asked) and validate one pooling request."""
+        task = self.model_config.pooling_task
+        params = params.clone()
+        hf = self.model_config.hf_config
+        params.verify(
+            task or "embed",
+            is_matryoshka=bool(
+                getattr(hf, "is_matryoshka", False) or getattr(hf, "matryoshka_dimensions", None)
+            ),
+            hidden_size=int(hf.hidden_size),
+        )
+        kwargs = dict(tokenization_kwargs or {})
+        truncate = kwargs.pop("truncate_prompt_tokens", params.truncate_prompt_tokens)
+        max_len = self.model_config.max_model_len
+        if truncate is not None and truncate < 0:
+            truncate = max_len
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if isinstance(prompt, str) and truncate is not None and self.tokenizer is not None:
+            encoded = self.tokenizer(prompt, truncation=True, max_length=truncate, **kwargs)
+            text, token_ids = prompt, list(encoded["input_ids"])
+            cache_salt = None
+        else:
+            text, token_ids, cache_salt = self.tokenize_prompt(prompt, kwargs)
+            if truncate is not None and len(token_ids) > truncate:
+                token_ids = token_ids[-truncate:]
+                if token_type_ids is not None:
+                    token_type_ids = token_type_ids[-truncate:]
+        if not token_ids:
+            raise ValueError("The prompt cannot be empty")
+        if len(token_ids) > max_len:
+            raise VLLMValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, your input "
+                f"contains {len(token_ids)} tokens. Shorten the input, or pass "
+                "truncate_prompt_tokens (tokenization_kwargs={'truncate_prompt_tokens': k}) to "
+                "keep only the last k tokens.",
+                parameter="prompt",
+                value=len(token_ids),
+            )
+        self.validate_prompt_vocab(token_ids)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            sampling_params=None,
+            eos_token_id=None,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+            pooling_params=params,
+            token_type_ids=token_type_ids,
         )
 
     def prepare_sampling_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:

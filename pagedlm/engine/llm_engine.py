@@ -26,6 +26,7 @@ from pagedlm.metrics import (
 )
 from pagedlm.outputs import RequestOutput
 from pagedlm.platforms import current_platform
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker.model_runner import ModelRunner
 
@@ -76,7 +77,7 @@ class LLMEngine:
             if budget is None:
                 budget = current_platform.kv_cache_budget_bytes(cache.gpu_memory_utilization)
             # More blocks than max_num_seqs full-length sequences would never be used at once.
-            num_blocks = min(budget // per_block, sched.max_num_seqs * blocks_per_seq + 1)
+            num_blocks = min(budget // max(per_block, 1), sched.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"The KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks), "
@@ -104,7 +105,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
@@ -120,6 +121,19 @@ class LLMEngine:
         if request_id in self.output_processor.external_to_internal:
             raise ValueError(f"Request id {request_id} is already in use by a running request.")
         internal_id = f"{request_id}-{secrets.token_hex(4)}"
+        if isinstance(params, PoolingParams):
+            if self.model_config.runner_type != "pooling":
+                raise ValueError(
+                    "PoolingParams need a pooling model; pass runner='pooling' (or "
+                    "convert='embed') to use this model for pooling."
+                )
+            request = self.input_processor.process_pooling_inputs(
+                internal_id, prompt, params, arrival_time, priority, tokenization_kwargs
+            )
+            self._add_core_request(request, request_id, None, 0)
+            return internal_id
+        if self.model_config.runner_type != "generate":
+            raise ValueError("This model does not support generation")
         request = self.input_processor.process_inputs(
             internal_id, prompt, params, arrival_time, priority, tokenization_kwargs
         )
@@ -157,19 +171,20 @@ class LLMEngine:
         index: int,
     ) -> None:
         params = request.sampling_params
-        assert params is not None and params.max_tokens is not None
         self.output_processor.add_request(request, external_id, parent, index)
         self.scheduler.add_request(
             Request(
                 request.request_id,
                 request.prompt_token_ids,
                 params,
-                max_tokens=params.max_tokens,
-                eos_token_id=params.eos_token_id,
+                max_tokens=params.max_tokens if params is not None else 0,
+                eos_token_id=params.eos_token_id if params is not None else None,
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 block_size=self.cache_config.block_size,
                 cache_salt=request.cache_salt,
+                pooling_params=request.pooling_params,
+                token_type_ids=request.token_type_ids,
             )
         )
 
@@ -248,4 +263,4 @@ class LLMEngine:
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        return self.model_config.supported_tasks

@@ -20,7 +20,13 @@ from pagedlm.logprobs import (
     create_sample_logprobs,
 )
 from pagedlm.metrics import FinishedRequestStats, IterationStats
-from pagedlm.outputs import CompletionOutput, RequestOutput, RequestStateStats
+from pagedlm.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    RequestStateStats,
+)
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -52,8 +58,8 @@ class RequestState:
         child_index: int,
         log_stats: bool,
     ) -> None:
-        params = request.sampling_params
-        assert params is not None
+        self.pooling = request.pooling_params is not None
+        params = request.sampling_params or SamplingParams(max_tokens=1, detokenize=False)
         self.request_id = request.request_id
         self.external_req_id = external_req_id
         self.parent = parent
@@ -168,9 +174,9 @@ class OutputProcessor:
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Returns the RequestOutputs to hand out and the ids finished by a stop string."""
-        request_outputs: list[RequestOutput] = []
+        request_outputs: list[RequestOutput | PoolingRequestOutput] = []
         reqs_to_abort: list[str] = []
         now = time.monotonic()
         for out in outputs:
@@ -178,6 +184,21 @@ class OutputProcessor:
             if state is None:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
+            if state.pooling:
+                if out.pooling_output is not None:
+                    request_outputs.append(
+                        PoolingRequestOutput(
+                            state.external_req_id,
+                            PoolingOutput(out.pooling_output),
+                            state.prompt_token_ids,
+                            out.num_cached_tokens,
+                            True,
+                        )
+                    )
+                if out.finished:
+                    del self.request_states[out.request_id]
+                    self._forget(state)
+                continue
             state.add_logprobs(out.new_prompt_logprobs, prompt=True)
             state.add_logprobs(out.new_logprobs, prompt=False)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason

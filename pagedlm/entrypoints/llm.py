@@ -17,14 +17,15 @@ from tqdm.auto import tqdm
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.entrypoints.chat_utils import render_conversations
+from pagedlm.entrypoints.pooling import PoolingMixin
 from pagedlm.inputs import prompt_to_seq
-from pagedlm.outputs import RequestOutput
+from pagedlm.outputs import PoolingRequestOutput, RequestOutput
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class LLM:
+class LLM(PoolingMixin):
     """An offline engine: `LLM(model, **engine_args)`; every option is keyword-only."""
 
     def __init__(
@@ -245,7 +246,7 @@ class LLM:
         self, *, use_tqdm: bool | Callable[..., tqdm] = True, output_type: Any = None
     ) -> list[Any]:
         engine = self.llm_engine
-        output_type = output_type or RequestOutput
+        output_type = output_type or (RequestOutput, PoolingRequestOutput)
         pbar = None
         if use_tqdm:
             tqdm_func = use_tqdm if callable(use_tqdm) else tqdm
@@ -265,6 +266,9 @@ class LLM:
                         continue
                     outputs.append(output)
                     if pbar is None:
+                        continue
+                    if isinstance(output, PoolingRequestOutput):
+                        pbar.update(1)
                         continue
                     n = len(output.outputs)
                     total_in += len(output.prompt_token_ids or ()) * n

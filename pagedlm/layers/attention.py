@@ -10,7 +10,11 @@ from pagedlm.forward_context import get_attn_metadata
 
 
 class Attention(nn.Module):
-    """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; writes k/v to the paged cache first."""
+    """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D].
+
+    Decoder layers write k/v to the paged cache, then attend causally; encoder-only layers
+    attend bidirectionally within each request and keep no cache.
+    """
 
     backend: AttentionBackend | None = None  # set by the model runner for all layers
 
@@ -21,6 +25,7 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None = None,
+        attn_type: str = "decoder",
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -28,12 +33,23 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.attn_type = attn_type  # "decoder" (causal, paged KV) or "encoder_only"
         self.kv_cache: torch.Tensor = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
-        assert Attention.backend is not None, "the model runner sets Attention.backend"
-        out = Attention.backend.forward(
+        backend = Attention.backend
+        assert backend is not None, "the model runner sets Attention.backend"
+        if self.attn_type == "encoder_only":
+            out = backend.forward_encoder(
+                q.view(num_tokens, self.num_heads, self.head_size),
+                k.view(num_tokens, self.num_kv_heads, self.head_size),
+                v.view(num_tokens, self.num_kv_heads, self.head_size),
+                get_attn_metadata(),
+                self.scale,
+            )
+            return out.reshape(num_tokens, self.num_heads * self.head_size)
+        out = backend.forward(
             q.view(num_tokens, self.num_heads, self.head_size),
             k.view(num_tokens, self.num_kv_heads, self.head_size),
             v.view(num_tokens, self.num_kv_heads, self.head_size),

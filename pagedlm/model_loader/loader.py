@@ -29,9 +29,12 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     start = time.perf_counter()
-    model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
+    model_cls, _, _ = ModelRegistry.resolve_model_cls(
+        model_config.architecture, model_config.runner, model_config.convert
+    )
+    kwargs = {"model_dir": model_config.model_path} if model_config.runner_type == "pooling" else {}
     with _default_dtype_and_device(model_config.dtype, device):
-        model = model_cls(model_config.hf_config, max_position=model_config.max_model_len)
+        model = model_cls(model_config.hf_config, max_position=model_config.max_model_len, **kwargs)
     if model_config.load_format == "dummy":
         generator = torch.Generator().manual_seed(model_config.seed or 0)
         for param in model.parameters():

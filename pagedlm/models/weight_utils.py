@@ -21,6 +21,7 @@ def load_packed_weights(
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    shards_loaded: dict[str, set[object]] = {}
     for name, tensor in weights:
         if name.endswith(skip_suffixes):
             continue
@@ -31,6 +32,7 @@ def load_packed_weights(
                     param = params[target]
                     param.weight_loader(param, tensor, shard_id)
                     loaded.add(target)
+                    shards_loaded.setdefault(target, set()).add(shard_id)
                     break
         else:
             if name not in params:
@@ -41,6 +43,10 @@ def load_packed_weights(
     missing = {
         n for n, p in model.named_parameters() if n not in loaded and not n.endswith(skip_suffixes)
     }
+    for target, shards in shards_loaded.items():  # a fused parameter needs every shard
+        fused = target.rsplit(".", 2)[-2]
+        expected = {sid for p, _, sid in stacked_params_mapping if p.strip(".") == fused}
+        missing |= {f"{target} (shard {sid})" for sid in expected - shards}
     if missing:
         raise ValueError(
             f"checkpoint is missing weights for: {', '.join(sorted(missing)[:8])}"

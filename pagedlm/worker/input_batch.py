@@ -22,6 +22,7 @@ class StepInputs:
     requests: list[Request]  # batch order
     input_ids: np.ndarray  # [num_tokens] int64
     positions: np.ndarray  # [num_tokens] int64
+    token_type_ids: np.ndarray | None  # [num_tokens] int64, for encoders with segment ids
     attn: CommonAttentionMetadata
     sampling_requests: list[Request]  # requests whose last scheduled token is sampled
     logits_indices: np.ndarray  # [len(sampling_requests)] int64
@@ -67,11 +68,27 @@ def build_step_inputs(
     )
 
     num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_reqs
-    sampling = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens]
+    sampling = [
+        i
+        for i, r in enumerate(requests)
+        if seq_lens[i] == r.num_tokens and r.sampling_params is not None
+    ]
+    token_type_ids = None
+    if any(r.token_type_ids is not None for r in requests):
+        token_type_ids = np.fromiter(
+            (
+                t
+                for r, start, n in zip(requests, starts.tolist(), query_lens.tolist())
+                for t in (r.token_type_ids or [0] * r.num_tokens)[start : start + n]
+            ),
+            dtype=np.int64,
+            count=num_tokens,
+        )
     return StepInputs(
         requests=requests,
         input_ids=input_ids,
         positions=positions,
+        token_type_ids=token_type_ids,
         attn=CommonAttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,

@@ -19,7 +19,7 @@ from pagedlm.layers.attention import Attention
 from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.model_loader.loader import get_model
 from pagedlm.platforms import current_platform
-from pagedlm.worker.input_batch import build_step_inputs
+from pagedlm.worker.input_batch import StepInputs, build_step_inputs
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,9 @@ class ModelRunner:
         self.device = current_platform.device
         current_platform.setup_threads()
         self.model = get_model(self.model_config, self.device)
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attn_layers = [
+            m for m in self.model.modules() if isinstance(m, Attention) and m.attn_type == "decoder"
+        ]
         self.attn_backend = get_attn_backend(self.device)
         Attention.backend = self.attn_backend
         self.sampler = Sampler()
@@ -74,11 +76,16 @@ class ModelRunner:
         input_ids = torch.from_numpy(inputs.input_ids).to(device)
         positions = torch.from_numpy(inputs.positions).to(device)
         attn_metadata = self.attn_backend.build(inputs.attn, device)
+        kwargs = {}
+        if getattr(self.model, "accepts_token_type_ids", False):
+            if inputs.token_type_ids is not None:
+                kwargs["token_type_ids"] = torch.from_numpy(inputs.token_type_ids).to(device)
         with set_forward_context(attn_metadata):
-            hidden_states = self.model(input_ids, positions)
+            hidden_states = self.model(input_ids, positions, **kwargs)
 
         output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden_states, output)
+        self._pool(inputs, hidden_states, output)
         if not inputs.sampling_requests:
             return output
         logits_indices = torch.from_numpy(inputs.logits_indices).to(device)
@@ -105,7 +112,21 @@ class ModelRunner:
                 )
         return output
 
-    def _prompt_logprobs(self, inputs, hidden_states: torch.Tensor, output: ModelRunnerOutput):
+    def _pool(self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput):
+        """Pooling requests are computed whole in one step: pool all their rows."""
+        for request in inputs.requests:
+            if request.pooling_params is None:
+                continue
+            start, num_rows, position = inputs.query_starts[request.request_id]
+            assert position == 0 and num_rows == request.num_tokens, "pooling needs whole prompts"
+            rows = hidden_states[start : start + num_rows]
+            output.pooler_output[request.request_id] = (
+                self.model.pooler(rows, request.pooling_params).float().cpu()
+            )
+
+    def _prompt_logprobs(
+        self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput
+    ) -> None:
         """Logprobs of prompt tokens 1..P-1 computed in this step's chunk of each request."""
         for request in inputs.requests:
             params = request.sampling_params

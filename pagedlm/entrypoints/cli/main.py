@@ -1,4 +1,4 @@
-"""The `pagedlm` command: generate, chat (more subcommands register themselves here)."""
+"""The `pagedlm` command: generate, chat, run-batch (more subcommands register themselves here)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,9 @@ def build_parser() -> FlexibleArgumentParser:
 
 
 def _extra_commands():
-    return []
+    from pagedlm.entrypoints.openai.run_batch import register_subcommand
+
+    return [register_subcommand]
 
 
 def main(argv: list[str] | None = None) -> int:
