@@ -46,7 +46,7 @@ def make_tiny_model(path: Path, arch: str, **overrides) -> Path:
         common.setdefault("head_dim", 16)
     config = config_cls(**common)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init give less flat distributions
         for p in model.parameters():
             p.normal_(0, 0.3 if p.dim() > 1 else 0.1)

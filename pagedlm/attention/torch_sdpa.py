@@ -26,13 +26,30 @@ class PrefillChunk:
 
 
 @dataclass
+class FreshPrefillGroup:
+    """Prefills with no cached prefix and the same length: one batched causal call."""
+
+    length: int
+    starts: list[int]
+    rows: torch.Tensor | None  # [len(starts) * length] token rows, None for a single prefill
+
+
+def _rows(starts: list[int], length: int, device: torch.device) -> torch.Tensor | None:
+    if len(starts) == 1:
+        return None
+    base = torch.tensor(starts, dtype=torch.long, device=device)
+    return (base[:, None] + torch.arange(length, device=device)[None, :]).reshape(-1)
+
+
+@dataclass
 class SDPAMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     num_decode_tokens: int
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] long
     decode_seq_lens: torch.Tensor | None  # [num_decodes] long
     max_decode_seq_len: int
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk]  # chunks that follow a cached prefix
+    fresh_groups: list[FreshPrefillGroup] = field(default_factory=list)
     query_start_loc: list[int] = field(default_factory=list)  # segments, for encoder attention
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
@@ -71,12 +88,20 @@ class TorchSDPABackend(AttentionBackend):
             decode_lens = torch.from_numpy(seq_lens[:nd]).to(device)
             decode_table = torch.from_numpy(table[:nd]).to(device)
         prefills = []
+        fresh: dict[int, list[int]] = {}  # query length -> starts of prefills with no prefix
         for i in range(nd, len(seq_lens)):
             start, end = int(qsl[i]), int(qsl[i + 1])
             seq_len = int(seq_lens[i])
+            if seq_len == end - start:
+                fresh.setdefault(seq_len, []).append(start)
+                continue
             prefills.append(
                 PrefillChunk(start, end - start, seq_len, torch.from_numpy(table[i]).to(device))
             )
+        fresh_groups = [
+            FreshPrefillGroup(length, starts, _rows(starts, length, device))
+            for length, starts in fresh.items()
+        ]
         return SDPAMetadata(
             slot_mapping=torch.from_numpy(common.slot_mapping).to(device),
             num_decode_tokens=nd,
@@ -84,6 +109,7 @@ class TorchSDPABackend(AttentionBackend):
             decode_seq_lens=decode_lens,
             max_decode_seq_len=max_decode,
             prefills=prefills,
+            fresh_groups=fresh_groups,
             query_start_loc=common.query_start_loc.tolist(),
         )
 
@@ -125,28 +151,57 @@ class TorchSDPABackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[:nd] = o.squeeze(2)
+        for group in metadata.fresh_groups:
+            self._fresh_prefills(query, key, value, out, group, scale, sliding_window)
         for chunk in metadata.prefills:
             s, n = chunk.query_start, chunk.query_len
             q = query[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-            if chunk.seq_len == n:
-                k = key[s : s + n].transpose(0, 1).unsqueeze(0)
-                v = value[s : s + n].transpose(0, 1).unsqueeze(0)
-            else:
-                nb = (chunk.seq_len + block_size - 1) // block_size
-                ids = chunk.block_ids[:nb]
-                k = k_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
-                v = v_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
-            if chunk.seq_len == n and sliding_window is None:
-                o = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=scale, enable_gqa=True
-                )
-            else:
-                mask = causal_mask(n, chunk.seq_len, sliding_window, query.device)
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-                )
+            nb = (chunk.seq_len + block_size - 1) // block_size
+            ids = chunk.block_ids[:nb]
+            k = k_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
+            v = v_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
+            mask = causal_mask(n, chunk.seq_len, sliding_window, query.device)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _fresh_prefills(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        group: FreshPrefillGroup,
+        scale: float,
+        sliding_window: int | None,
+    ) -> None:
+        """q_len == kv_len: the fresh keys are used directly, top-left causal is correct."""
+        n, batch = group.length, len(group.starts)
+        if group.rows is None:
+            s = group.starts[0]
+            q, k, v = (t[s : s + n].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        else:  # [batch * n, heads, d] -> [batch, heads, n, d]
+            q, k, v = (
+                t[group.rows].view(batch, n, *t.shape[1:]).transpose(1, 2)
+                for t in (query, key, value)
+            )
+        if sliding_window is None or sliding_window >= n:
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            mask = causal_mask(n, n, sliding_window, query.device)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        heads, head_size = o.shape[1], o.shape[3]
+        o = o.transpose(1, 2).reshape(batch * n, heads, head_size)
+        if group.rows is None:
+            out[group.starts[0] : group.starts[0] + n] = o
+        else:
+            out[group.rows] = o
 
     def forward_encoder(
         self,

@@ -196,7 +196,9 @@ class EngineArgs:
         hf_config = load_hf_config(resolved, trust_remote_code=self.trust_remote_code)
         for key, value in (self.hf_overrides or {}).items():
             setattr(hf_config, key, value)
-        checkpoint_dtype = getattr(hf_config, "torch_dtype", None)
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(
+            hf_config, "torch_dtype", None
+        )
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(__import__("torch"), checkpoint_dtype, None)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype)

@@ -189,6 +189,8 @@ class InputProcessor:
     def prepare_sampling_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {params.seed}.")
         if params.structured_outputs is not None:
             raise NotImplementedError("Structured outputs are not supported by pagedlm yet.")
         params.verify(

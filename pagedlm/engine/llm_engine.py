@@ -170,23 +170,23 @@ class LLMEngine:
         parent: ParentRequest | None,
         index: int,
     ) -> None:
+        """Build the core Request first: if that fails, nothing has been registered."""
         params = request.sampling_params
-        self.output_processor.add_request(request, external_id, parent, index)
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                params,
-                max_tokens=params.max_tokens if params is not None else 0,
-                eos_token_id=params.eos_token_id if params is not None else None,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                block_size=self.cache_config.block_size,
-                cache_salt=request.cache_salt,
-                pooling_params=request.pooling_params,
-                token_type_ids=request.token_type_ids,
-            )
+        core_request = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            params,
+            max_tokens=params.max_tokens if params is not None else 0,
+            eos_token_id=params.eos_token_id if params is not None else None,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            block_size=self.cache_config.block_size,
+            cache_salt=request.cache_salt,
+            pooling_params=request.pooling_params,
+            token_type_ids=request.token_type_ids,
         )
+        self.output_processor.add_request(request, external_id, parent, index)
+        self.scheduler.add_request(core_request)
 
     def abort_request(self, request_ids: list[str] | str, internal: bool = False) -> None:
         """Abort requests by external id (default; all children too) or by internal id."""

@@ -23,5 +23,8 @@ class CudaPlatform(Platform):
         used = total - free
         return max(0, int(total * utilization) - used)
 
+    def zeros_lazy(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device="cuda")
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()

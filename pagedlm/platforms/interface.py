@@ -33,6 +33,11 @@ class Platform:
         """Bytes the KV cache may use when `kv_cache_memory_bytes` is not given."""
         raise NotImplementedError
 
+    def zeros_lazy(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero tensor whose pages the OS maps only when first written (calloc on CPU)."""
+        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 

