@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagedlm.attention.cpu_kernels import paged_decode_attention, paged_decode_kernel
 
 
 @dataclass
@@ -78,6 +79,13 @@ def causal_mask(query_len: int, seq_len: int, window: int | None, device: torch.
 
 
 class TorchSDPABackend(AttentionBackend):
+    """`use_c_kernel`: decode rows through the compiled paged kernel (None: when available)."""
+
+    def __init__(self, use_c_kernel: bool | None = None) -> None:
+        self.decode_kernel = paged_decode_kernel() if use_c_kernel is not False else None
+        if use_c_kernel and self.decode_kernel is None:
+            raise RuntimeError("the C decode kernel could not be built (is gcc installed?)")
+
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> SDPAMetadata:
         qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
         nd = common.num_decodes
@@ -134,23 +142,7 @@ class TorchSDPABackend(AttentionBackend):
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
         if nd:
-            table = metadata.decode_block_table
-            max_len = metadata.max_decode_seq_len
-            max_blocks = (max_len + block_size - 1) // block_size
-            table = table[:, :max_blocks]
-            # [nd, max_blocks, block_size, kv_heads, d] -> [nd, kv_heads, max_len, d]
-            k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
-            v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
-            q = query[:nd].unsqueeze(2)  # [nd, heads, 1, d]
-            o = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=metadata.decode_mask(sliding_window),
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[:nd] = o.squeeze(2)
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, metadata, scale, sliding_window)
         for group in metadata.fresh_groups:
             self._fresh_prefills(query, key, value, out, group, scale, sliding_window)
         for chunk in metadata.prefills:
@@ -166,6 +158,37 @@ class TorchSDPABackend(AttentionBackend):
             )
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, heads, d]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: SDPAMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        table, lens = metadata.decode_block_table, metadata.decode_seq_lens
+        assert table is not None and lens is not None
+        if self.decode_kernel is not None and query.device.type == "cpu":
+            return paged_decode_attention(
+                self.decode_kernel, query, k_cache, v_cache, table, lens, scale, sliding_window
+            )
+        max_len = metadata.max_decode_seq_len
+        block_size = k_cache.shape[1]
+        table = table[:, : (max_len + block_size - 1) // block_size]
+        # [nd, max_blocks, block_size, kv_heads, d] -> [nd, kv_heads, max_len, d]
+        k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            query.unsqueeze(2),
+            k,
+            v,
+            attn_mask=metadata.decode_mask(sliding_window),
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)
 
     @staticmethod
     def _fresh_prefills(
