@@ -11,8 +11,9 @@ class SiluAndMul(nn.Module):
     """x = [gate | up] -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        d = x.shape[-1] // 2
+        # a contiguous gate makes the element-wise silu much faster on CPU
+        return F.silu(x[..., :d].contiguous(), inplace=True).mul_(x[..., d:])
 
 
 class GeluAndMul(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.layers.linear import default_weight_loader
@@ -23,8 +24,7 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.offset:  # Gemma multiplies in fp32 before casting back
             return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
