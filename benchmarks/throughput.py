@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             r["out_tok_s"] = r["output_tokens"] / r["elapsed"]
             r["total_tok_s"] = (r["input_tokens"] + r["output_tokens"]) / r["elapsed"]
         results[backend] = r
+        print(f"{backend}: {json.dumps(r)}", file=sys.stderr, flush=True)
     os.unlink(f.name)
     print(
         f"\nworkload={args.workload} requests={len(requests)} threads={args.threads} model={model}"

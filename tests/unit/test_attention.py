@@ -315,7 +315,11 @@ def test_c_decode_kernel_matches_torch_path(dtype, window) -> None:
     if window is not None:
         mask &= pos[None, :] >= lens[:, None] - window
     want = torch.nn.functional.scaled_dot_product_attention(
-        query.float().unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=0.3,
+        query.float().unsqueeze(2),
+        k,
+        v,
+        attn_mask=mask[:, None, None, :],
+        scale=0.3,
         enable_gqa=True,
     ).squeeze(2)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

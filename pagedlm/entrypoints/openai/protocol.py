@@ -9,6 +9,7 @@ structured outputs) are errors. A pooling handler replaces `prepare_embedding` l
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import math
@@ -19,6 +20,7 @@ from typing import Any
 
 from pagedlm.inputs import TokensPrompt
 from pagedlm.outputs import CompletionOutput, RequestOutput
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 MIN_LOGPROB = -9999.0  # written instead of -inf (and NaN) logprobs, as OpenAI and vLLM do
@@ -291,14 +293,54 @@ def _prepared(
 
 
 def prepare_embedding(body: dict[str, Any], ctx: ServingContext) -> PreparedRequest:
-    """Placeholder until the engine can pool: a pooling handler goes here."""
+    """One input (text or token ids) -> an OpenAI embeddings body (float or base64)."""
     if "embed" not in ctx.supported_tasks:
         raise RequestError(
             "This model does not support the embeddings API; run /v1/embeddings lines with an "
             "embedding model (supported tasks of this model: "
             f"{', '.join(ctx.supported_tasks) or 'none'})."
         )
-    raise RequestError("The embeddings API is not implemented by pagedlm run-batch yet.")
+    value = body.get("input")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str) and value:
+        prompt: dict[str, Any] = {"prompt": value}
+    elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in value])
+    else:
+        raise RequestError(
+            "'input' must be one non-empty string or list of token ids per line, got "
+            f"{_describe(value)}."
+        )
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise RequestError(f"encoding_format must be 'float' or 'base64', got {encoding!r}.")
+    try:
+        params = PoolingParams(
+            dimensions=_field(body, "dimensions", "int"),
+            truncate_prompt_tokens=_field(body, "truncate_prompt_tokens", "int"),
+            use_activation=_field(body, "normalize", "bool"),
+        )
+    except ValueError as e:
+        raise RequestError(str(e)) from e
+
+    def make_body(output: Any) -> dict[str, Any]:
+        vector = output.outputs.data.float()
+        if encoding == "base64":
+            embedding: Any = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+        else:
+            embedding = vector.tolist()
+        n = len(output.prompt_token_ids)
+        return {
+            "id": f"embd-{output.request_id}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": ctx.model_name,
+            "data": [{"index": 0, "object": "embedding", "embedding": embedding}],
+            "usage": {"prompt_tokens": n, "total_tokens": n},
+        }
+
+    return PreparedRequest(prompt, params, make_body)  # type: ignore[arg-type]
 
 
 URL_HANDLERS: dict[str, Callable[[dict[str, Any], ServingContext], PreparedRequest]] = {
