@@ -17,6 +17,7 @@ from pagedlm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "TextPrompt",
     "TokensPrompt",
     "SamplingParams",
+    "PoolingParams",
     "RequestOutput",
     "CompletionOutput",
     "PoolingOutput",

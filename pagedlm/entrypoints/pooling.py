@@ -191,4 +191,3 @@ class PoolingMixin:
             outs.append(ScoringRequestOutput.from_base(base))
         return outs
 
-    __all__ = ["PoolingMixin", "ScoringOutput"]
