@@ -63,6 +63,14 @@ def run_backend(
     return json.loads(lines[-1])
 
 
+def run_worker(workers: dict, backend: str, spec_path: str) -> None:
+    """Worker mode: run one backend on the spec and print its results as one JSON line."""
+    spec = json.loads(Path(spec_path).read_text())
+    result = workers[backend](spec)
+    result["peak_rss_mb"] = peak_rss_mb()
+    print(json.dumps(result))
+
+
 def make_llm(backend: str, spec: dict, **kwargs):
     """(LLM instance, SamplingParams class) for the pagedlm or vllm backend."""
     if backend == "vllm":

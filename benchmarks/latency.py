@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import default_model, make_llm, peak_rss_mb, run_backend
+from common import default_model, make_llm, run_backend, run_worker
 
 
 def run_llm_api(backend: str, spec: dict) -> dict:
@@ -88,10 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        spec = json.loads(Path(args.spec).read_text())
-        result = WORKERS[args.worker](spec)
-        result["peak_rss_mb"] = peak_rss_mb()
-        print(json.dumps(result))
+        run_worker(WORKERS, args.worker, args.spec)
         return
     model = args.model or default_model()
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]

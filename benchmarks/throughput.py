@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import default_model, make_llm, peak_rss_mb, run_backend
+from common import default_model, make_llm, run_backend, run_worker
 
 
 # ------------------------------------------------------------------ workloads
@@ -157,10 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.worker:
-        spec = json.loads(Path(args.spec).read_text())
-        result = WORKERS[args.worker](spec)
-        result["peak_rss_mb"] = peak_rss_mb()
-        print(json.dumps(result))
+        run_worker(WORKERS, args.worker, args.spec)
         return
 
     model = args.model or default_model()

@@ -135,14 +135,13 @@ class LLM(PoolingMixin):
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         self._check_generate("LLM.chat()")
-        prompts = render_conversations(
-            self.get_tokenizer(),
+        prompts = self._render_chat(
             messages,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
         )
         return self.generate(
             prompts,
@@ -171,7 +170,28 @@ class LLM(PoolingMixin):
         """`enqueue` for conversations: rendered now, run by `wait_for_completion()`."""
         if self.runner_type != "generate":
             raise ValueError("LLM.enqueue_chat() is only supported for generative models.")
-        prompts = render_conversations(
+        prompts = self._render_chat(
+            messages,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
+        )
+        return self._add_requests(
+            prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
+        )
+
+    def _render_chat(
+        self,
+        messages: Any,
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> list[Any]:
+        return render_conversations(
             self.get_tokenizer(),
             messages,
             chat_template=chat_template,
@@ -179,9 +199,6 @@ class LLM(PoolingMixin):
             continue_final_message=continue_final_message,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
-        )
-        return self._add_requests(
-            prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
         )
 
     def _check_generate(self, method: str) -> None:

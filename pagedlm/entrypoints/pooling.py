@@ -190,4 +190,3 @@ class PoolingMixin:
             )
             outs.append(ScoringRequestOutput.from_base(base))
         return outs
-
