@@ -322,7 +322,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def register_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "run-batch",
-        help="Run a file of OpenAI batch requests (chat/completions) and write the results.",
+        help="Run a file of OpenAI batch requests (chat, completions, embeddings).",
         description=_DESCRIPTION,
     )
     parser.set_defaults(func=run_batch)
