@@ -130,12 +130,6 @@ class ModelConfig:
             logger.info("Default sampling parameters from the model: %s", diff)
         return diff
 
-    def get_generation_eos_token_ids(self) -> list[int]:
-        eos = self.get_hf_generation_config().get("eos_token_id")
-        if eos is None:
-            return []
-        return [eos] if isinstance(eos, int) else [int(e) for e in eos]
-
 
 @dataclass
 class CacheConfig:

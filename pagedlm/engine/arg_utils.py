@@ -274,7 +274,8 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        kwargs.pop("deprecated", None) if sys.version_info < (3, 13) else None
+        if sys.version_info < (3, 13):  # `deprecated=` exists from Python 3.13 on
+            kwargs.pop("deprecated", None)
         return super().add_argument(*args, **kwargs)
 
     def parse_known_args(  # type: ignore[override]

@@ -61,11 +61,6 @@ def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.metadata.get(key, default)
 
 
-def gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Scalar metadata of a GGUF file (arrays such as the vocabulary are left out)."""
-    return {k: v for k, v in _reader(str(path)).metadata.items() if not isinstance(v, list)}
-
-
 def load_gguf_config(path: str | Path) -> Any:
     """A transformers config built from the GGUF metadata."""
     reader = _reader(str(path))
