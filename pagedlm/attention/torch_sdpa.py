@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.attention.backend import AttentionBackend, CommonAttentionMetadata
-from pagedlm.attention.cpu_kernels import paged_decode_attention, paged_decode_kernel
+from pagedlm.kernels.cpu import cpu_kernels, paged_decode_attention
 
 
 @dataclass
@@ -82,7 +82,7 @@ class TorchSDPABackend(AttentionBackend):
     """`use_c_kernel`: decode rows through the compiled paged kernel (None: when available)."""
 
     def __init__(self, use_c_kernel: bool | None = None) -> None:
-        self.decode_kernel = paged_decode_kernel() if use_c_kernel is not False else None
+        self.decode_kernel = cpu_kernels() if use_c_kernel is not False else None
         if use_c_kernel and self.decode_kernel is None:
             raise RuntimeError("the C decode kernel could not be built (is gcc installed?)")
 

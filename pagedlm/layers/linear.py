@@ -2,6 +2,8 @@
 
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies a
 checkpoint tensor into the right rows. Tensor parallelism is size 1 for now: no sharding.
+After loading, `process_weights_after_loading` may swap a weight for the platform's prepacked
+layout (oneDNN on CPU); from then on the weights are final and only `linear` reads them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedlm.platforms import current_platform
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear that also takes a weight prepacked by the platform (oneDNN layout on CPU)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -40,8 +51,13 @@ class LinearBase(nn.Module):
     ) -> None:
         default_weight_loader(param, loaded_weight)
 
+    def process_weights_after_loading(self) -> None:
+        packed = current_platform.prepack_linear_weight(self.weight.data)
+        if packed is not None:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlm.layers.linear import default_weight_loader
+from pagedlm.layers.linear import default_weight_loader, linear
+from pagedlm.platforms import current_platform
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,11 +22,30 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
+    """Projects hidden states to vocabulary logits; may share its weight with the embedding.
+
+    A tied head keeps the embedding's dense weight for lookups and adds a prepacked copy.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.tied = False
+        self.logits_weight: torch.Tensor | None = None  # prepacked copy of a tied weight
 
     def tie_weights(self, embed: VocabParallelEmbedding) -> None:
         self.weight = embed.weight
+        self.tied = True
+
+    def process_weights_after_loading(self) -> None:
+        packed = current_platform.prepack_linear_weight(self.weight.data)
+        if packed is None:
+            return
+        if self.tied:
+            self.logits_weight = packed
+        else:
+            self.weight = nn.Parameter(packed, requires_grad=False)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> fp32 [num_rows, vocab]."""
-        return F.linear(hidden_states, self.weight).float()
+        """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (the sampler casts)."""
+        weight = self.weight if self.logits_weight is None else self.logits_weight
+        return linear(hidden_states, weight)

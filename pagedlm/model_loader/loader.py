@@ -45,6 +45,9 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         model.load_weights(iterate_gguf(model_config.gguf_file, model_config.hf_config))
     else:
         model.load_weights(iterate_safetensors(model_config.model_path))
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     model.eval()
     logger.info(
         "Loaded %s (%s) in %.1fs",

@@ -19,6 +19,7 @@ from pagedlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from pagedlm.layers.rotary_embedding import get_rope
 from pagedlm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.models.weight_utils import load_packed_weights
+from pagedlm.platforms import current_platform
 
 
 def rope_params(config: Any) -> tuple[float, dict | None]:
@@ -41,7 +42,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        chunk = current_platform.dense_chunk_rows
+        if chunk is None or x.shape[0] <= chunk:
+            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return torch.cat([self.forward(rows) for rows in x.split(chunk)])
 
 
 class LlamaAttention(nn.Module):

@@ -12,6 +12,9 @@ class Platform:
     """Device facts and policies; subclasses override what differs per device."""
 
     device_type: str = "cpu"
+    # Row chunk for dense blocks (the MLP) on long inputs, so the intermediate activations stay
+    # in cache; None runs all rows at once.
+    dense_chunk_rows: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -37,6 +40,11 @@ class Platform:
         """A zero tensor whose pages the OS maps only when first written (calloc on CPU)."""
         nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+    def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A device-specific layout of an [out, in] weight that `layers.linear.linear` accepts,
+        or None to keep the dense weight."""
+        return None
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""

@@ -143,7 +143,7 @@ class ModelRunner:
             for s in range(0, num_rows, _PROMPT_LOGPROBS_CHUNK):
                 e = min(num_rows, s + _PROMPT_LOGPROBS_CHUNK)
                 logits = self.model.compute_logits(hidden_states[row_start + s : row_start + e])
-                logprobs = logits.log_softmax(-1)
+                logprobs = logits.float().log_softmax(-1)
                 part = gather_logprobs(logprobs, k, targets[s:e])
                 merged.logprob_token_ids += part.logprob_token_ids
                 merged.logprobs += part.logprobs

@@ -292,18 +292,22 @@ def test_build_step_inputs_feeds_the_backend() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_c_decode_kernel_matches_torch_path(dtype, window) -> None:
-    """The compiled decode kernel and the PyTorch gather+SDPA path agree (both are used)."""
-    from pagedlm.attention.cpu_kernels import paged_decode_attention, paged_decode_kernel
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_c_decode_kernel_matches_torch_path(dtype, window, d) -> None:
+    """The compiled decode kernel and the PyTorch gather+SDPA path agree (both are used).
 
-    kernel = paged_decode_kernel()
+    Head size 16 takes the portable C loop, 64 and 128 the AVX-512 one where it is compiled.
+    """
+    from pagedlm.kernels.cpu import cpu_kernels, paged_decode_attention
+
+    kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("no C compiler here: only the PyTorch path runs")
     gen = torch.Generator().manual_seed(0)
-    num_seqs, heads, kv_heads, d, block_size, num_blocks = 5, 4, 2, 16, 4, 40
+    num_seqs, heads, kv_heads, block_size, num_blocks = 5, 4, 2, 4, 40
     k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
-    lens = torch.tensor([1, 4, 5, 13, 17])
+    lens = torch.tensor([1, 4, 5, 13, 19])
     table = torch.randperm(num_blocks, generator=gen)[: num_seqs * 5].view(num_seqs, 5)
     query = torch.randn(num_seqs, heads, d, generator=gen).to(dtype)
     got = paged_decode_attention(kernel, query, k_cache, v_cache, table, lens, 0.3, window)
