@@ -32,11 +32,12 @@ class FreshPrefillGroup:
 
     length: int
     starts: list[int]
-    rows: torch.Tensor | None  # [len(starts) * length] token rows, None for a single prefill
+    rows: torch.Tensor | None  # [len(starts) * length] token rows, None when contiguous
 
 
 def _rows(starts: list[int], length: int, device: torch.device) -> torch.Tensor | None:
-    if len(starts) == 1:
+    """Token rows of the group, or None when they are one contiguous run (a view suffices)."""
+    if all(b - a == length for a, b in zip(starts, starts[1:])):
         return None
     base = torch.tensor(starts, dtype=torch.long, device=device)
     return (base[:, None] + torch.arange(length, device=device)[None, :]).reshape(-1)
@@ -202,14 +203,14 @@ class TorchSDPABackend(AttentionBackend):
     ) -> None:
         """q_len == kv_len: the fresh keys are used directly, top-left causal is correct."""
         n, batch = group.length, len(group.starts)
-        if group.rows is None:
-            s = group.starts[0]
-            q, k, v = (t[s : s + n].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        else:  # [batch * n, heads, d] -> [batch, heads, n, d]
-            q, k, v = (
-                t[group.rows].view(batch, n, *t.shape[1:]).transpose(1, 2)
-                for t in (query, key, value)
-            )
+        s = group.starts[0]
+        # [batch * n, heads, d] -> [batch, heads, n, d]
+        q, k, v = (
+            (t[s : s + batch * n] if group.rows is None else t[group.rows])
+            .view(batch, n, *t.shape[1:])
+            .transpose(1, 2)
+            for t in (query, key, value)
+        )
         if sliding_window is None or sliding_window >= n:
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=True
@@ -222,7 +223,7 @@ class TorchSDPABackend(AttentionBackend):
         heads, head_size = o.shape[1], o.shape[3]
         o = o.transpose(1, 2).reshape(batch * n, heads, head_size)
         if group.rows is None:
-            out[group.starts[0] : group.starts[0] + n] = o
+            out[s : s + batch * n] = o
         else:
             out[group.rows] = o
 

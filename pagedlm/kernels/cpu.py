@@ -37,6 +37,12 @@ _SIGNATURES = {
     + [_i64] * 5
     + [_f32, _i64, _int, _int],
     "argmax_rows": [_ptr, _i64, _i64, _int, _ptr, _int],
+    # x, residual, weight, out, rows, hidden, eps, offset, bf16, num_threads
+    "rms_norm": [_ptr] * 4 + [_i64, _i64, _f32, _f32, _int, _int],
+    "silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
+    # q, k, positions, cos, sin, tokens, q_heads, k_heads, q_stride, k_stride, head_size,
+    # rotary_dim, bf16, num_threads
+    "rotary_embedding": [_ptr] * 5 + [_i64] * 7 + [_int, _int],
 }
 
 
@@ -140,3 +146,71 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+) -> torch.Tensor:
+    """RMSNorm of x (+ residual) over the last dim; `residual` becomes x + residual in place."""
+    hidden = x.shape[-1]
+    x = x.contiguous()
+    assert residual is None or residual.is_contiguous()
+    out = torch.empty_like(x)
+    lib.rms_norm(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+        offset,
+        _is_bf16(x),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """[rows, 2d] = [gate | up] -> [rows, d] = silu(gate) * up."""
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], d)
+    lib.silu_and_mul(
+        x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, _is_bf16(x), torch.get_num_threads()
+    )
+    return out
+
+
+def rotary_embedding(
+    lib: ctypes.CDLL,
+    positions: torch.Tensor,  # [tokens] int64
+    query: torch.Tensor,  # [tokens, q_heads * head_size], rows may be strided
+    key: torch.Tensor,  # [tokens, k_heads * head_size]
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim] fp32
+    sin_cache: torch.Tensor,
+    head_size: int,
+) -> None:
+    """NeoX RoPE applied in place to the first rotary_dim dims of each head."""
+    assert query.stride(-1) == 1 and key.stride(-1) == 1
+    lib.rotary_embedding(
+        query.data_ptr(),
+        key.data_ptr(),
+        positions.contiguous().data_ptr(),
+        cos_cache.data_ptr(),
+        sin_cache.data_ptr(),
+        query.shape[0],
+        query.shape[1] // head_size,
+        key.shape[1] // head_size,
+        query.stride(0),
+        key.stride(0),
+        head_size,
+        cos_cache.shape[1],
+        _is_bf16(query),
+        torch.get_num_threads(),
+    )

@@ -6,11 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.kernels import cpu as cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = cpu_kernels.cpu_kernels() if x.device.type == "cpu" else None
+        if lib is not None and x.dtype in (torch.bfloat16, torch.float32):
+            return cpu_kernels.silu_and_mul(lib, x)
         d = x.shape[-1] // 2
         # a contiguous gate makes the element-wise silu much faster on CPU
         return F.silu(x[..., :d].contiguous(), inplace=True).mul_(x[..., d:])

@@ -6,13 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.kernels import cpu as cpu_kernels
 from pagedlm.layers.linear import default_weight_loader
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class RMSNorm(nn.Module):
     """`forward(x)` -> normed; `forward(x, residual)` -> (normed(x + residual), x + residual).
 
-    `offset=1.0` gives Gemma's `(1 + weight)` scaling.
+    `offset=1.0` gives Gemma's `(1 + weight)` scaling. On the CPU the C kernel does the add and
+    the norm in one pass and writes x + residual into `residual` (vLLM's fused_add_rms_norm).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
@@ -32,6 +36,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        lib = cpu_kernels.cpu_kernels() if x.device.type == "cpu" else None
+        if lib is not None and x.dtype == self.weight.dtype and x.dtype in _KERNEL_DTYPES:
+            out = cpu_kernels.rms_norm(lib, x, residual, self.weight, self.eps, self.offset)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

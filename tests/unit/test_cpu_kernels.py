@@ -37,3 +37,74 @@ def test_argmax_rows_takes_non_contiguous_rows() -> None:
 def test_greedy_sample_falls_back_for_other_dtypes() -> None:
     logits = torch.randn(3, 50).half()
     assert greedy_sample(logits).tolist() == logits.argmax(-1).tolist()
+
+
+def _torch_path(monkeypatch, fn):
+    """Run fn with the C kernels switched off (the layers' PyTorch code)."""
+    with monkeypatch.context() as m:
+        m.setattr("pagedlm.kernels.cpu.cpu_kernels", lambda: None)
+        return fn()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: tight; bf16: at most one bf16 step apart (fp32 sums in another order may round
+    the other way), and on all but a handful of elements exactly equal."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert (got != want).float().mean() < 0.01
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_torch(monkeypatch, dtype, offset, with_residual) -> None:
+    from pagedlm.layers.layernorm import RMSNorm
+
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(72, eps=1e-6, offset=offset).to(dtype)
+    norm.weight.data.copy_(torch.randn(72, generator=gen))
+    x = (torch.randn(37, 72, generator=gen) * 3).to(dtype)
+    res = torch.randn(37, 72, generator=gen).to(dtype) if with_residual else None
+    want = _torch_path(monkeypatch, lambda: norm(x, None if res is None else res.clone()))
+    got = norm(x, None if res is None else res.clone())
+    if with_residual:
+        _close(got[0], want[0])
+        assert torch.equal(got[1], want[1])  # x + residual, rounded the same way
+    else:
+        _close(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 40])  # 40: an AVX-512 body and a scalar tail
+def test_silu_and_mul_kernel_matches_torch(monkeypatch, dtype, d) -> None:
+    from pagedlm.layers.activation import SiluAndMul
+
+    x = (torch.randn(9, 2 * d, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    x[0, 0], x[0, 1] = 100.0, -100.0  # exp clamping on both sides
+    act = SiluAndMul()
+    _close(act(x), _torch_path(monkeypatch, lambda: act(x)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # 8: partial rotary, the rest passes through
+def test_rotary_kernel_matches_torch(monkeypatch, dtype, rotary_dim) -> None:
+    from pagedlm.layers.rotary_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, rotary_dim, max_position=64, base=10000.0)
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(11, 4 * 16 + 2 * 2 * 16, generator=gen).to(dtype)
+    positions = torch.randint(0, 64, (11,), generator=gen)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = qkv.clone().split([64, 32, 32], dim=-1)  # strided rows, as in the models
+        q, k = rope(positions, q, k)
+        return q.contiguous(), k.contiguous()
+
+    got, want = run(), _torch_path(monkeypatch, run)
+    _close(got[0], want[0])
+    _close(got[1], want[1])

@@ -29,6 +29,14 @@ static inline uint16_t to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
+// The fp32 value of to_bf16(f): rounding in registers, so chains of bf16 ops match PyTorch.
+static inline float round_bf16(float f) {
+  const uint32_t u = ((uint32_t)to_bf16(f)) << 16;
+  float r;
+  memcpy(&r, &u, 4);
+  return r;
+}
+
 static inline void store_row(void* base, int64_t offset, int64_t n, int bf16,
                              const float* restrict row) {
   if (bf16) {
@@ -40,9 +48,11 @@ static inline void store_row(void* base, int64_t offset, int64_t n, int bf16,
   }
 }
 
-// e^x for x <= 0 within ~2 ulp (Cephes-style reduction, degree-6 polynomial); exp(-inf) = 0.
-static inline float exp_nonpositive(float x) {
+// e^x within ~2 ulp for x in [-87, 88] (Cephes-style reduction, degree-6 polynomial); inputs
+// outside are clamped to that range.
+static inline float exp_clamped(float x) {
   x = x < -87.f ? -87.f : x;
+  x = x > 88.f ? 88.f : x;
   const float n = floorf(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
   r -= n * -2.12194440e-4f;
@@ -53,8 +63,60 @@ static inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, 4);
-  return p * scale;
+  const union {
+    int32_t i;
+    float f;
+  } scale = {.i = ((int32_t)n + 127) << 23};  // 2^n
+  return p * scale.f;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAGEDLM_AVX512 1
+
+static inline __m512 load16(const void* base, int64_t offset, int bf16) {
+  if (bf16) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_loadu_ps((const float*)base + offset);
+}
+
+// exp_clamped on 16 lanes (exp_clamped itself does not vectorize: gcc 12 if-converts its clamps
+// only with -ffinite-math-only).
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Round 16 fp32 lanes to bf16 precision (nearest even), keeping them fp32; NaN stays NaN.
+static inline __m512 round512_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), nan, x);
+}
+
+// Store 16 lanes as bf16 (rounded) or fp32.
+static inline void store16(void* base, int64_t offset, __m512 x, int bf16) {
+  if (bf16) {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round512_bf16(x)), 16);
+    _mm256_storeu_si256((__m256i*)((uint16_t*)base + offset), _mm512_cvtepi32_epi16(bits));
+  } else {
+    _mm512_storeu_ps((float*)base + offset, x);
+  }
+}
+#endif

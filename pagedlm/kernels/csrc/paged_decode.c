@@ -44,7 +44,7 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; t++) {
-      sg[t] = exp_nonpositive(sg[t] - mx);
+      sg[t] = exp_clamped(sg[t] - mx);
       sum += sg[t];
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -68,35 +68,7 @@ static inline __attribute__((always_inline)) void attend(
               acc + g * head_size);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
-
-static inline __m512 load16(const void* base, int64_t offset, int bf16) {
-  if (bf16) {
-    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + offset));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  return _mm512_loadu_ps((const float*)base + offset);
-}
-
-// e^x for x <= 0, the same reduction and polynomial as exp_nonpositive.
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
+#ifdef PAGEDLM_AVX512
 // The pair (sequence, kv head) with head_size = 16 * DV; DV is a constant after inlining, so
 // the key/value row and the accumulators live in registers.
 static inline __attribute__((always_inline)) void attend_avx512(
@@ -206,7 +178,7 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
   attend_avx512(q, k_cache, v_cache, table, seq_lens[b], out, b, kh, num_heads, group, DV,     \
                 token_stride, block_size, scale, window, bf16, qf, scores, row)
         switch (head_size) {
-#ifdef HAVE_AVX512
+#ifdef PAGEDLM_AVX512
           case 64: ATTEND_AVX512(4); break;
           case 128: ATTEND_AVX512(8); break;
           case 256: ATTEND_AVX512(16); break;

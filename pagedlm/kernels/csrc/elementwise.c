@@ -1,0 +1,130 @@
+// Row-wise kernels of the decoder layer: residual add + RMSNorm, SiLU(gate) * up, and RoPE.
+// Math runs in fp32; with bf16 tensors every intermediate that PyTorch (and Hugging Face) store
+// in bf16 is rounded to bf16 at the same point, so results match the PyTorch path.
+#include <stdlib.h>
+
+#include "common.h"
+
+// out = norm(x + residual) * w; `residual` (if not NULL) is overwritten with x + residual.
+// offset 0: w * bf16(norm) (Llama); offset 1: norm * (1 + w) rounded once (Gemma).
+void rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows,
+              int64_t hidden, float eps, float offset, int bf16, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* row = malloc(sizeof(float) * hidden * 3);
+    float* res = row + hidden;
+    float* w = row + 2 * hidden;
+    load_row(weight, 0, hidden, bf16, w);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+      load_row(x, r * hidden, hidden, bf16, row);
+      if (residual != NULL) {
+        load_row(residual, r * hidden, hidden, bf16, res);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++)
+          row[i] = bf16 ? round_bf16(row[i] + res[i]) : row[i] + res[i];
+        store_row(residual, r * hidden, hidden, bf16, row);
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < hidden; i++) sum += row[i] * row[i];
+      const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+      if (offset != 0.f) {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) row[i] = row[i] * inv * (offset + w[i]);
+      } else if (bf16) {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) row[i] = w[i] * round_bf16(row[i] * inv);
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) row[i] = w[i] * (row[i] * inv);
+      }
+      store_row(out, r * hidden, hidden, bf16, row);
+    }
+    free(row);
+  }
+}
+
+// x = [gate | up] per row ([rows, 2 * d]) -> out [rows, d] = bf16(silu(gate)) * up.
+void silu_and_mul(const void* x, void* out, int64_t rows, int64_t d, int bf16,
+                  int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* restrict gate = malloc(sizeof(float) * d * 2);
+    float* restrict up = gate + d;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+      int64_t i = 0;
+#ifdef PAGEDLM_AVX512
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= d; i += 16) {
+        const __m512 g = load16(x, r * 2 * d + i, bf16);
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        if (bf16) s = round512_bf16(s);
+        store16(out, r * d + i, _mm512_mul_ps(s, load16(x, r * 2 * d + d + i, bf16)), bf16);
+      }
+#endif
+      const int64_t n = d - i;
+      load_row(x, r * 2 * d + i, n, bf16, gate);
+      load_row(x, r * 2 * d + d + i, n, bf16, up);
+      for (int64_t j = 0; j < n; j++) {
+        const float s = gate[j] / (1.f + exp_clamped(-gate[j]));
+        gate[j] = (bf16 ? round_bf16(s) : s) * up[j];
+      }
+      store_row(out, r * d + i, n, bf16, gate);
+    }
+    free(gate);
+  }
+}
+
+// NeoX-style RoPE in place on the first `rotary_dim` dims of every head of q and k, whose rows
+// are `q_stride` / `k_stride` elements apart. cos/sin: fp32 [max_position, rotary_dim]; with
+// bf16 they are rounded to bf16 first and x*cos + rotate_half(x)*sin rounds after each op.
+void rotary_embedding(void* q, void* k, const int64_t* positions, const float* cos_cache,
+                      const float* sin_cache, int64_t tokens, int64_t q_heads, int64_t k_heads,
+                      int64_t q_stride, int64_t k_stride, int64_t head_size, int64_t rotary_dim,
+                      int bf16, int num_threads) {
+  const int64_t half = rotary_dim / 2;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* buf = malloc(sizeof(float) * rotary_dim * 4);
+    float* c = buf;
+    float* s = buf + rotary_dim;
+    float* x = buf + 2 * rotary_dim;
+    float* y = buf + 3 * rotary_dim;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+      memcpy(c, cos_cache + positions[t] * rotary_dim, sizeof(float) * rotary_dim);
+      memcpy(s, sin_cache + positions[t] * rotary_dim, sizeof(float) * rotary_dim);
+      if (bf16) {
+#pragma omp simd
+        for (int64_t i = 0; i < rotary_dim; i++) {
+          c[i] = round_bf16(c[i]);
+          s[i] = round_bf16(s[i]);
+        }
+      }
+      for (int64_t h = 0; h < q_heads + k_heads; h++) {
+        void* base = h < q_heads ? q : k;
+        const int64_t offset =
+            h < q_heads ? t * q_stride + h * head_size : t * k_stride + (h - q_heads) * head_size;
+        load_row(base, offset, rotary_dim, bf16, x);
+        if (bf16) {
+#pragma omp simd
+          for (int64_t i = 0; i < half; i++) {
+            y[i] = round_bf16(round_bf16(x[i] * c[i]) + round_bf16(-x[i + half] * s[i]));
+            y[i + half] =
+                round_bf16(round_bf16(x[i + half] * c[i + half]) + round_bf16(x[i] * s[i + half]));
+          }
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < half; i++) {
+            y[i] = x[i] * c[i] - x[i + half] * s[i];
+            y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+          }
+        }
+        store_row(base, offset, rotary_dim, bf16, y);
+      }
+    }
+    free(buf);
+  }
+}
