@@ -2,7 +2,10 @@
 
 Invariants: a request's blocks cover at least its computed tokens; a prefix hit is a run of
 consecutive full blocks starting at the first and never covers the last token (so there is
-always a token to compute logits from); only full blocks whose KV is written get a hash.
+always a token to compute logits from); only full blocks whose KV is written by the end of
+the current step get a hash (an admitted prefill's blocks are registered when scheduled, so
+requests admitted after it in the same step share them; attention backends write every new
+token's KV for a layer before any attention in that layer reads the cache).
 """
 
 from __future__ import annotations

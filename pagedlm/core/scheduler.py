@@ -180,6 +180,9 @@ class Scheduler:
             )
             if allocated is None:
                 break
+            # Register the blocks this step fills now, as vLLM does: requests admitted later in
+            # this step then share them (each layer writes all new KV before attending).
+            self.kv_cache_manager.cache_blocks(request, num_hit_tokens + num_new)
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

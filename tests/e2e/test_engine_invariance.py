@@ -49,8 +49,15 @@ def reference(tiny_qwen2):
     return _run(tiny_qwen2, _prompts(), enable_prefix_caching=False)
 
 
-def test_tiny_kv_pool_preempts_and_matches(tiny_qwen2, reference) -> None:
-    got = _run(tiny_qwen2, _prompts(), num_gpu_blocks_override=10, block_size=16)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_tiny_kv_pool_preempts_and_matches(tiny_qwen2, reference, prefix_caching) -> None:
+    got = _run(
+        tiny_qwen2,
+        _prompts(),
+        num_gpu_blocks_override=8,
+        block_size=16,
+        enable_prefix_caching=prefix_caching,
+    )
     assert _run.last_preemptions > 0
     assert got == reference
 
@@ -92,3 +99,20 @@ def test_everything_small_at_once(tiny_qwen2, reference) -> None:
         max_num_seqs=3,
     )
     assert got == reference
+
+
+def test_requests_in_one_step_share_a_prefix(tiny_qwen2) -> None:
+    """Blocks of a prefill are registered when scheduled: the other requests of the same step
+    hit them (as in vLLM) and still get the tokens computed without the cache."""
+    shared = list(range(5, 45))  # two full blocks of 16, then 8 more tokens
+    prompts = [{"prompt_token_ids": shared + [100 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def generate(**kwargs):
+        llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, block_size=16, **kwargs)
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    cached = generate()
+    assert [o.num_cached_tokens for o in cached] == [0, 32, 32, 32]
+    uncached = generate(enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]

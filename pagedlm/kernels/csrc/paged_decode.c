@@ -69,14 +69,76 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 #ifdef PAGEDLM_AVX512
+// Walks the cache rows of tokens start .. start + n - 1 through the block table, with one
+// division per walk rather than per token. Cache blocks sit anywhere in memory, so the hardware
+// prefetcher stops at each block's end: entering a block prefetches all rows of the next one.
+typedef struct {
+  const char* cache;
+  const int64_t* table;
+  int64_t block_size, token_stride, head_offset, row_bytes, elem_bytes;
+  int64_t block, slot, last_block;  // table index and slot of the current token
+} BlockWalk;
+
+static inline void prefetch_block(const BlockWalk* w, int64_t block) {
+  if (block > w->last_block) return;
+  const int64_t first = w->table[block] * w->block_size;
+  for (int64_t r = 0; r < w->block_size; r++) {
+    const char* p = w->cache + ((first + r) * w->token_stride + w->head_offset) * w->elem_bytes;
+    for (int64_t off = 0; off < w->row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
+static inline BlockWalk walk_start(const void* cache, const int64_t* table, int64_t start,
+                                   int64_t n, int64_t block_size, int64_t token_stride,
+                                   int64_t head_offset, int64_t head_size, int bf16) {
+  const int64_t elem = bf16 ? 2 : 4;
+  BlockWalk w = {(const char*)cache, table, block_size, token_stride, head_offset,
+                 head_size * elem, elem, start / block_size, start % block_size - 1,
+                 (start + n - 1) / block_size};
+  prefetch_block(&w, w.block + 1);
+  return w;
+}
+
+// Element offset of the next token's row for this head.
+static inline int64_t walk_next(BlockWalk* w) {
+  if (++w->slot == w->block_size) {
+    w->slot = 0;
+    prefetch_block(w, ++w->block + 1);
+  }
+  return (w->table[w->block] * w->block_size + w->slot) * w->token_stride + w->head_offset;
+}
+
+// Lane i of the result = the sum of the 16 lanes of a[i], for i < 8 (a transposing reduction:
+// 24 shuffles and adds instead of 8 separate horizontal sums).
+static inline __m256 hsum8(const __m512 a[8]) {
+  __m512 b[4], c[2];
+  for (int i = 0; i < 4; i++) {
+    const __m512 x = a[2 * i], y = a[2 * i + 1];
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; i++) {  // quarter j of c[i] holds 4 partial sums of a[4i + j]
+    const __m512 x = b[2 * i], y = b[2 * i + 1];
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  const __m512 d = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, _MM_SHUFFLE(1, 0, 3, 2)));
+  // lane 4j of e is the sum of a[j], lane 4j + 1 the sum of a[4 + j]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, e));
+}
+
 // The pair (sequence, kv head) with head_size = 16 * DV; DV is a constant after inlining, so
-// the key/value row and the accumulators live in registers.
+// the key/value row and the accumulators live in registers. Scores are kept token-major,
+// [n][G8] with G8 = group rounded up to 8, so the softmax runs across heads in one vector.
 static inline __attribute__((always_inline)) void attend_avx512(
     const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t len,
     void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
     int64_t token_stride, int64_t block_size, float scale, int64_t window, int bf16, float* qf,
     float* scores, float* row) {
   const int64_t head_size = 16 * DV;
+  const int64_t G8 = (group + 7) & ~(int64_t)7;
   const int64_t start = (window > 0 && len > window) ? len - window : 0;
   const int64_t n = len - start;
   const int64_t head_offset = kh * head_size;
@@ -87,44 +149,39 @@ static inline __attribute__((always_inline)) void attend_avx512(
       _mm512_storeu_ps(qf + g * head_size + 16 * c, _mm512_mul_ps(qv, _mm512_set1_ps(scale)));
     }
   }
+  BlockWalk kw = walk_start(k_cache, table, start, n, block_size, token_stride, head_offset,
+                            head_size, bf16);
   for (int64_t t = 0; t < n; t++) {
-    const int64_t pos = start + t;
-    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-    const int64_t base = slot * token_stride + head_offset;
+    const int64_t base = walk_next(&kw);
     __m512 k[16];
     for (int c = 0; c < DV; c++) k[c] = load16(k_cache, base + 16 * c, bf16);
-    for (int64_t g = 0; g < group; g++) {
-      const float* qg = qf + g * head_size;
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-      for (int c = 1; c < DV; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], a);
-      scores[g * n + t] = _mm512_reduce_add_ps(a);
+    for (int64_t g0 = 0; g0 < group; g0 += 8) {
+      __m512 a[8];
+      for (int64_t i = 0; i < 8; i++) {
+        a[i] = _mm512_setzero_ps();
+        if (g0 + i >= group) continue;
+        const float* qg = qf + (g0 + i) * head_size;
+        for (int c = 0; c < DV; c++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], a[i]);
+      }
+      _mm256_storeu_ps(scores + t * G8 + g0, hsum8(a));
     }
   }
-  for (int64_t g = 0; g < group; g++) {
-    float* sg = scores + g * n;
+  for (int64_t g0 = 0; g0 < G8; g0 += 8) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
-    float m = _mm512_reduce_max_ps(mx);
-    for (int64_t i = t; i < n; i++) m = sg[i] > m ? sg[i] : m;
-    const __m512 mv = _mm512_set1_ps(m);
+    for (int64_t t = 0; t < n; t++)
+      mx = _mm512_max_ps(mx, _mm512_zextps256_ps512(_mm256_loadu_ps(scores + t * G8 + g0)));
     __m512 sum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= n; t += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
-      _mm512_storeu_ps(sg + t, e);
+    for (int64_t t = 0; t < n; t++) {
+      float* st = scores + t * G8 + g0;
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_zextps256_ps512(_mm256_loadu_ps(st)), mx));
+      _mm256_storeu_ps(st, _mm512_castps512_ps256(e));
       sum = _mm512_add_ps(sum, e);
     }
-    if (t < n) {
-      const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), mv));
-      _mm512_mask_storeu_ps(sg + t, tail, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), _mm512_castps512_ps256(sum));
+    for (int64_t t = 0; t < n; t++) {
+      float* st = scores + t * G8 + g0;
+      _mm256_storeu_ps(st, _mm256_mul_ps(_mm256_loadu_ps(st), inv));
     }
-    const float total = _mm512_reduce_add_ps(sum);
-    const __m512 inv = _mm512_set1_ps(total > 0.f ? 1.f / total : 0.f);
-    for (t = 0; t + 16 <= n; t += 16)
-      _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
-    for (; t < n; t++) sg[t] *= _mm512_cvtss_f32(inv);
   }
   // Values: heads in passes of 16 / DV so that the accumulators fit in 16 registers.
   const int64_t per_pass = DV >= 16 ? 1 : 16 / DV;
@@ -132,14 +189,14 @@ static inline __attribute__((always_inline)) void attend_avx512(
     const int64_t gn = group - g0 < per_pass ? group - g0 : per_pass;
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    BlockWalk vw = walk_start(v_cache, table, start, n, block_size, token_stride, head_offset,
+                              head_size, bf16);
     for (int64_t t = 0; t < n; t++) {
-      const int64_t pos = start + t;
-      const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-      const int64_t base = slot * token_stride + head_offset;
+      const int64_t base = walk_next(&vw);
       __m512 v[16];
       for (int c = 0; c < DV; c++) v[c] = load16(v_cache, base + 16 * c, bf16);
       for (int64_t gi = 0; gi < gn; gi++) {
-        const __m512 p = _mm512_set1_ps(scores[(g0 + gi) * n + t]);
+        const __m512 p = _mm512_set1_ps(scores[t * G8 + g0 + gi]);
         for (int c = 0; c < DV; c++) acc[gi * DV + c] = _mm512_fmadd_ps(p, v[c], acc[gi * DV + c]);
       }
     }
@@ -165,7 +222,7 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
   {
     float* qf = malloc(sizeof(float) * group * head_size);
     float* acc = malloc(sizeof(float) * group * head_size);
-    float* scores = malloc(sizeof(float) * group * max_len);
+    float* scores = malloc(sizeof(float) * ((group + 7) & ~(int64_t)7) * max_len);
     float* row = malloc(sizeof(float) * head_size);
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t b = 0; b < num_seqs; b++) {
