@@ -291,12 +291,16 @@ def test_build_step_inputs_feeds_the_backend() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("d", [16, 64, 128])
-def test_c_decode_kernel_matches_torch_path(dtype, window, d) -> None:
+@pytest.mark.parametrize("window", [None, 5, 21])
+@pytest.mark.parametrize(
+    ("d", "heads", "block_size"),
+    [(16, 4, 4), (64, 4, 4), (128, 4, 4), (64, 14, 16), (256, 4, 32), (64, 32, 16)],
+)
+def test_c_decode_kernel_matches_torch_path(dtype, window, d, heads, block_size) -> None:
     """The compiled decode kernel and the PyTorch gather+SDPA path agree (both are used).
 
-    Head size 16 takes the portable C loop, 64 and 128 the AVX-512 one where it is compiled.
+    Head size 16 takes the portable C loop; 64, 128 and 256 the AVX-512 one, and with bf16,
+    at most 16 heads per kv head and blocks of 16k slots, AMX scores, where compiled in.
     """
     from pagedlm.kernels.cpu import cpu_kernels, paged_decode_attention
 
@@ -304,11 +308,12 @@ def test_c_decode_kernel_matches_torch_path(dtype, window, d) -> None:
     if kernel is None:
         pytest.skip("no C compiler here: only the PyTorch path runs")
     gen = torch.Generator().manual_seed(0)
-    num_seqs, heads, kv_heads, block_size, num_blocks = 5, 4, 2, 4, 40
+    num_seqs, kv_heads, max_blocks = 5, 2, 70 // block_size + 1
+    num_blocks = num_seqs * max_blocks
     k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
-    lens = torch.tensor([1, 4, 5, 13, 19])
-    table = torch.randperm(num_blocks, generator=gen)[: num_seqs * 5].view(num_seqs, 5)
+    lens = torch.tensor([1, 4, 17, 40, 70])
+    table = torch.randperm(num_blocks, generator=gen).view(num_seqs, max_blocks)
     query = torch.randn(num_seqs, heads, d, generator=gen).to(dtype)
     got = paged_decode_attention(kernel, query, k_cache, v_cache, table, lens, 0.3, window)
     max_len = int(lens.max())

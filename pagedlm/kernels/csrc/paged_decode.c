@@ -108,6 +108,36 @@ static inline int64_t walk_next(BlockWalk* w) {
   return (w->table[w->block] * w->block_size + w->slot) * w->token_stride + w->head_offset;
 }
 
+// out[g] = sum over tokens of p[t][g] * v[t] for the pair's heads; p rows are `stride` apart.
+// Heads go in passes of 16 / DV so that the accumulators fit in 16 registers.
+static inline __attribute__((always_inline)) void weighted_values(
+    const void* v_cache, const int64_t* table, int64_t start, int64_t n, void* out, int64_t b,
+    int64_t kh, int64_t num_heads, int64_t group, const int DV, int64_t token_stride,
+    int64_t block_size, int bf16, const float* p, int64_t stride, float* row) {
+  const int64_t head_size = 16 * DV;
+  const int64_t per_pass = DV >= 16 ? 1 : 16 / DV;
+  for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
+    const int64_t gn = group - g0 < per_pass ? group - g0 : per_pass;
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    BlockWalk vw = walk_start(v_cache, table, start, n, block_size, token_stride, kh * head_size,
+                              head_size, bf16);
+    for (int64_t t = 0; t < n; t++) {
+      const int64_t base = walk_next(&vw);
+      __m512 v[16];
+      for (int c = 0; c < DV; c++) v[c] = load16(v_cache, base + 16 * c, bf16);
+      for (int64_t gi = 0; gi < gn; gi++) {
+        const __m512 pv = _mm512_set1_ps(p[t * stride + g0 + gi]);
+        for (int c = 0; c < DV; c++) acc[gi * DV + c] = _mm512_fmadd_ps(pv, v[c], acc[gi * DV + c]);
+      }
+    }
+    for (int64_t gi = 0; gi < gn; gi++) {
+      for (int c = 0; c < DV; c++) _mm512_storeu_ps(row + 16 * c, acc[gi * DV + c]);
+      store_row(out, (b * num_heads + kh * group + g0 + gi) * head_size, head_size, bf16, row);
+    }
+  }
+}
+
 // Lane i of the result = the sum of the 16 lanes of a[i], for i < 8 (a transposing reduction:
 // 24 shuffles and adds instead of 8 separate horizontal sums).
 static inline __m256 hsum8(const __m512 a[8]) {
@@ -161,7 +191,8 @@ static inline __attribute__((always_inline)) void attend_avx512(
         a[i] = _mm512_setzero_ps();
         if (g0 + i >= group) continue;
         const float* qg = qf + (g0 + i) * head_size;
-        for (int c = 0; c < DV; c++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], a[i]);
+        for (int c = 0; c < DV; c++)
+          a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], a[i]);
       }
       _mm256_storeu_ps(scores + t * G8 + g0, hsum8(a));
     }
@@ -183,28 +214,90 @@ static inline __attribute__((always_inline)) void attend_avx512(
       _mm256_storeu_ps(st, _mm256_mul_ps(_mm256_loadu_ps(st), inv));
     }
   }
-  // Values: heads in passes of 16 / DV so that the accumulators fit in 16 registers.
-  const int64_t per_pass = DV >= 16 ? 1 : 16 / DV;
-  for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
-    const int64_t gn = group - g0 < per_pass ? group - g0 : per_pass;
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    BlockWalk vw = walk_start(v_cache, table, start, n, block_size, token_stride, head_offset,
-                              head_size, bf16);
-    for (int64_t t = 0; t < n; t++) {
-      const int64_t base = walk_next(&vw);
-      __m512 v[16];
-      for (int c = 0; c < DV; c++) v[c] = load16(v_cache, base + 16 * c, bf16);
-      for (int64_t gi = 0; gi < gn; gi++) {
-        const __m512 p = _mm512_set1_ps(scores[t * G8 + g0 + gi]);
-        for (int c = 0; c < DV; c++) acc[gi * DV + c] = _mm512_fmadd_ps(p, v[c], acc[gi * DV + c]);
-      }
-    }
-    for (int64_t gi = 0; gi < gn; gi++) {
-      for (int c = 0; c < DV; c++) _mm512_storeu_ps(row + 16 * c, acc[gi * DV + c]);
-      store_row(out, (b * num_heads + kh * group + g0 + gi) * head_size, head_size, bf16, row);
-    }
+  weighted_values(v_cache, table, start, n, out, b, kh, num_heads, group, DV, token_stride,
+                  block_size, bf16, scores, G8, row);
+}
+#endif
+
+
+#if defined(PAGEDLM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux grants AMX tile state to a process only on request (oneDNN makes the same request).
+static int amx_permitted(void) {
+  static int state = -1;
+  if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return state;
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} TileConfig;
+
+// Tiles: 0 = scores [16 tokens x 16 heads] fp32, 1 = keys [16 tokens x 32 dims] bf16,
+// 2 = queries [16 dim pairs x 16 heads x 2] bf16 (the VNNI layout AMX wants for B).
+static void amx_configure(void) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int i = 0; i < 3; i++) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
   }
+  _tile_loadconfig(&cfg);
+}
+
+// bf16 caches, group <= 16, head_size = 16 * DV with DV even, block_size % 16 == 0: the scores
+// come from AMX, 16 tokens (one aligned run of cache slots, read in place) by all heads at
+// once, with exact bf16 products and fp32 sums; the softmax and the values as in AVX-512.
+static inline __attribute__((always_inline)) void attend_amx(
+    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t len,
+    void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
+    int64_t token_stride, int64_t block_size, float scale, int64_t window, uint16_t* qb,
+    float* scores, float* row) {
+  const int64_t head_size = 16 * DV;
+  const int64_t start = (window > 0 && len > window) ? len - window : 0;
+  const int64_t first = start & ~(int64_t)15;  // scores[i] is position first + i
+  const uint16_t* qh = (const uint16_t*)q + (b * num_heads + kh * group) * head_size;
+  for (int64_t c = 0; c < DV / 2; c++)  // qb[c][pair r][head g][2]
+    for (int64_t r = 0; r < 16; r++)
+      for (int64_t g = 0; g < 16; g++)
+        for (int64_t e = 0; e < 2; e++)
+          qb[((c * 16 + r) * 16 + g) * 2 + e] =
+              g < group ? qh[g * head_size + 32 * c + 2 * r + e] : 0;
+  for (int64_t pos = first; pos < len; pos += 16) {
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+    const uint16_t* keys = (const uint16_t*)k_cache + slot * token_stride + kh * head_size;
+    _tile_zero(0);
+    for (int64_t c = 0; c < DV / 2; c++) {
+      _tile_loadd(1, keys + 32 * c, token_stride * 2);
+      _tile_loadd(2, qb + c * 512, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, scores + (pos - first) * 16, 64);
+  }
+  // Softmax over positions start .. len - 1, all heads in one vector.
+  float* valid = scores + (start - first) * 16;
+  const int64_t n = len - start;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(valid + t * 16));
+  for (int64_t t = 0; t < n; t++) {
+    const __m512 s = _mm512_sub_ps(_mm512_loadu_ps(valid + t * 16), mx);
+    const __m512 e = exp512(_mm512_mul_ps(s, vscale));
+    _mm512_storeu_ps(valid + t * 16, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+  for (int64_t t = 0; t < n; t++)
+    _mm512_storeu_ps(valid + t * 16, _mm512_mul_ps(_mm512_loadu_ps(valid + t * 16), inv));
+  weighted_values(v_cache, table, start, n, out, b, kh, num_heads, group, DV, token_stride,
+                  block_size, 1, valid, 16, row);
 }
 #endif
 
@@ -218,12 +311,22 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
   const int64_t token_stride = num_kv_heads * head_size;
   int64_t max_len = 1;
   for (int64_t b = 0; b < num_seqs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+#ifdef PAGEDLM_AMX
+  const int use_amx = bf16 && group <= 16 && block_size % 16 == 0 &&
+                      (head_size == 64 || head_size == 128 || head_size == 256) && amx_permitted();
+#endif
 #pragma omp parallel num_threads(num_threads)
   {
     float* qf = malloc(sizeof(float) * group * head_size);
     float* acc = malloc(sizeof(float) * group * head_size);
-    float* scores = malloc(sizeof(float) * ((group + 7) & ~(int64_t)7) * max_len);
+    // token-major scores: 16 heads wide (AMX) or group rounded up to 8, 16 rows of slack
+    const int64_t width = group <= 16 ? 16 : (group + 7) & ~(int64_t)7;
+    float* scores = malloc(sizeof(float) * width * (max_len + 16));
     float* row = malloc(sizeof(float) * head_size);
+#ifdef PAGEDLM_AMX
+    uint16_t* qb = malloc(sizeof(uint16_t) * 16 * head_size);
+    if (use_amx) amx_configure();
+#endif
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t b = 0; b < num_seqs; b++) {
       for (int64_t kh = 0; kh < num_kv_heads; kh++) {
@@ -234,6 +337,19 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
 #define ATTEND_AVX512(DV)                                                                    \
   attend_avx512(q, k_cache, v_cache, table, seq_lens[b], out, b, kh, num_heads, group, DV,     \
                 token_stride, block_size, scale, window, bf16, qf, scores, row)
+#define ATTEND_AMX(DV)                                                                       \
+  attend_amx(q, k_cache, v_cache, table, seq_lens[b], out, b, kh, num_heads, group, DV,        \
+             token_stride, block_size, scale, window, qb, scores, row)
+#ifdef PAGEDLM_AMX
+        if (use_amx) {
+          switch (head_size) {
+            case 64: ATTEND_AMX(4); break;
+            case 128: ATTEND_AMX(8); break;
+            default: ATTEND_AMX(16);
+          }
+          continue;
+        }
+#endif
         switch (head_size) {
 #ifdef PAGEDLM_AVX512
           case 64: ATTEND_AVX512(4); break;
@@ -244,8 +360,13 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
         }
 #undef ATTEND
 #undef ATTEND_AVX512
+#undef ATTEND_AMX
       }
     }
+#ifdef PAGEDLM_AMX
+    if (use_amx) _tile_release();
+    free(qb);
+#endif
     free(qf);
     free(acc);
     free(scores);
