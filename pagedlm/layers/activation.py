@@ -13,8 +13,8 @@ class SiluAndMul(nn.Module):
     """x = [gate | up] -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = cpu_kernels.cpu_kernels() if x.device.type == "cpu" else None
-        if lib is not None and x.dtype in (torch.bfloat16, torch.float32):
+        lib = cpu_kernels.kernels_for(x)
+        if lib is not None:
             return cpu_kernels.silu_and_mul(lib, x)
         d = x.shape[-1] // 2
         # a contiguous gate makes the element-wise silu much faster on CPU

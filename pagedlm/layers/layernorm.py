@@ -9,8 +9,6 @@ from torch import nn
 from pagedlm.kernels import cpu as cpu_kernels
 from pagedlm.layers.linear import default_weight_loader
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-
 
 class RMSNorm(nn.Module):
     """`forward(x)` -> normed; `forward(x, residual)` -> (normed(x + residual), x + residual).
@@ -36,8 +34,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        lib = cpu_kernels.cpu_kernels() if x.device.type == "cpu" else None
-        if lib is not None and x.dtype == self.weight.dtype and x.dtype in _KERNEL_DTYPES:
+        lib = cpu_kernels.kernels_for(x, self.weight)
+        if lib is not None:
             out = cpu_kernels.rms_norm(lib, x, residual, self.weight, self.eps, self.offset)
             return out if residual is None else (out, residual)
         if residual is None:

@@ -127,13 +127,12 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (query, key); the CPU kernel rotates them in place."""
-        lib = cpu_kernels.cpu_kernels() if query.device.type == "cpu" else None
-        if lib is not None and query.dtype in (torch.bfloat16, torch.float32):
-            if query.stride(-1) == 1 and key.stride(-1) == 1 and key.dtype == query.dtype:
-                cpu_kernels.rotary_embedding(
-                    lib, positions, query, key, self.cos_cache, self.sin_cache, self.head_size
-                )
-                return query, key
+        lib = cpu_kernels.kernels_for(query, key)
+        if lib is not None and query.stride(-1) == 1 and key.stride(-1) == 1:
+            cpu_kernels.rotary_embedding(
+                lib, positions, query, key, self.cos_cache, self.sin_cache, self.head_size
+            )
+            return query, key
         cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

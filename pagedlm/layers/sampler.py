@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedlm.core.sched_output import LogprobsLists
-from pagedlm.kernels.cpu import argmax_rows, cpu_kernels
+from pagedlm.kernels.cpu import argmax_rows, kernels_for
 
 
 @dataclass
@@ -82,8 +82,8 @@ def gather_logprobs(
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1), through the C kernel on the CPU (torch's bf16 argmax is ~6x slower)."""
-    lib = cpu_kernels() if logits.device.type == "cpu" else None
-    if lib is not None and logits.dtype in (torch.bfloat16, torch.float32):
+    lib = kernels_for(logits)
+    if lib is not None:
         return argmax_rows(lib, logits)
     return logits.argmax(-1)
 
