@@ -6,6 +6,8 @@
 - `argmax_rows`: greedy sampling on bf16/fp32 logits (torch's bf16 argmax is 6x slower).
 - `rms_norm` (with the residual add), `silu_and_mul`, `rotary_embedding`: one pass over the
   activations instead of several PyTorch element-wise ops.
+- `small_batch_linear`: x W^T for decode batches (<= 32 rows, bf16) on AMX, streaming the
+  dense weight ~1.5x faster than oneDNN does at these sizes.
 
 When no compiler is available, or PAGEDLM_DISABLE_C_KERNELS=1, `cpu_kernels()` returns None and
 callers use their PyTorch path; the tests check both against the same reference. Math is fp32;
@@ -46,7 +48,12 @@ _SIGNATURES = {
     # q, k, positions, cos, sin, tokens, q_heads, k_heads, q_stride, k_stride, head_size,
     # rotary_dim, bf16, num_threads
     "rotary_embedding": [_ptr] * 5 + [_i64] * 7 + [_int, _int],
+    # x, w, bias, y, M, N, K, num_threads -> 1 if computed
+    "small_batch_linear": [_ptr] * 4 + [_i64] * 3 + [_int],
+    "small_batch_linear_supported": [],
 }
+_RETURNS_INT = ("small_batch_linear", "small_batch_linear_supported")
+SMALL_BATCH_ROWS = 32  # up to here the AMX kernel streams weights faster than oneDNN
 
 
 def _cpu_flags() -> str:
@@ -102,7 +109,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = None
+        fn.restype = ctypes.c_int if name in _RETURNS_INT else None
     return lib
 
 
@@ -239,3 +246,34 @@ def rotary_embedding(
         _is_bf16(query),
         torch.get_num_threads(),
     )
+
+
+def small_batch_linear_supported() -> bool:
+    """Whether `small_batch_linear` runs here (compiled with AMX, and the OS grants it)."""
+    lib = cpu_kernels()
+    return lib is not None and bool(lib.small_batch_linear_supported())
+
+
+def small_batch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [M, K] @ weight [N, K]^T (+ bias) for M <= SMALL_BATCH_ROWS bf16 rows on AMX; None
+    where the kernel does not apply (other dtypes or shapes, no AMX): use another path."""
+    if x.dim() != 2 or x.shape[0] > SMALL_BATCH_ROWS or not weight.is_contiguous():
+        return None
+    lib = kernels_for(x, weight) if x.dtype == torch.bfloat16 else None
+    if lib is None or (bias is not None and bias.dtype != x.dtype):
+        return None
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], weight.shape[0])
+    ok = lib.small_batch_linear(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        weight.shape[0],
+        weight.shape[1],
+        torch.get_num_threads(),
+    )
+    return y if ok else None

@@ -2,8 +2,9 @@
 
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies a
 checkpoint tensor into the right rows. Tensor parallelism is size 1 for now: no sharding.
-After loading, `process_weights_after_loading` may swap a weight for the platform's prepacked
-layout (oneDNN on CPU); from then on the weights are final and only `linear` reads them.
+After loading, `process_weights_after_loading` adds the platform's prepacked layout (oneDNN on
+CPU) and drops the dense weight unless the platform's small-batch kernel reads it; from then on
+the weights are final and only `linear` reads them.
 """
 
 from __future__ import annotations
@@ -12,14 +13,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.kernels import cpu as cpu_kernels
 from pagedlm.platforms import current_platform
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear that also takes a weight prepacked by the platform (oneDNN layout on CPU)."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches go to the AMX kernel over
+    the dense weight, the rest to oneDNN. `weight` itself may be the prepacked layout."""
+    if packed is not None:
+        y = cpu_kernels.small_batch_linear(x, weight, bias)
+        if y is not None:
+            return y
+        weight = packed
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def prepack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight to keep, prepacked copy or None): the dense weight survives only where the
+    platform's small-batch kernel reads it, else the prepacked layout replaces it."""
+    packed = current_platform.prepack_linear_weight(weight)
+    if packed is None:
+        return weight, None
+    if current_platform.reads_dense_weight(weight):
+        return weight, packed
+    return packed, None
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -40,6 +64,7 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -52,12 +77,12 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def process_weights_after_loading(self) -> None:
-        packed = current_platform.prepack_linear_weight(self.weight.data)
-        if packed is not None:
-            self.weight = nn.Parameter(packed, requires_grad=False)
+        weight, self.packed_weight = prepack(self.weight.data)
+        if weight is not self.weight.data:
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):

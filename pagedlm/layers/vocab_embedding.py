@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlm.layers.linear import default_weight_loader, linear
+from pagedlm.layers.linear import default_weight_loader, linear, prepack
 from pagedlm.platforms import current_platform
 
 
@@ -30,22 +30,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.tied = False
-        self.logits_weight: torch.Tensor | None = None  # prepacked copy of a tied weight
+        self.logits_weight: torch.Tensor | None = None  # prepacked copy of the dense weight
 
     def tie_weights(self, embed: VocabParallelEmbedding) -> None:
         self.weight = embed.weight
         self.tied = True
 
     def process_weights_after_loading(self) -> None:
-        packed = current_platform.prepack_linear_weight(self.weight.data)
-        if packed is None:
+        if self.tied:  # lookups need the dense weight: only add the packed copy
+            self.logits_weight = current_platform.prepack_linear_weight(self.weight.data)
             return
-        if self.tied:
-            self.logits_weight = packed
-        else:
-            self.weight = nn.Parameter(packed, requires_grad=False)
+        weight, self.logits_weight = prepack(self.weight.data)
+        if weight is not self.weight.data:
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (the sampler casts)."""
-        weight = self.weight if self.logits_weight is None else self.logits_weight
-        return linear(hidden_states, weight)
+        return linear(hidden_states, self.weight, None, self.logits_weight)

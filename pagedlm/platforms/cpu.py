@@ -60,6 +60,15 @@ class CpuPlatform(Platform):
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PREPACK_BATCH_HINT)
         return None
 
+    def reads_dense_weight(self, weight: torch.Tensor) -> bool:
+        """bf16 with AMX: decode batches stream the dense weight through the small-batch kernel
+        (oneDNN's prepacked copy serves prefill), at the price of holding both."""
+        if weight.dtype != torch.bfloat16:
+            return False
+        from pagedlm.kernels.cpu import small_batch_linear_supported
+
+        return small_batch_linear_supported()
+
     def kv_cache_budget_bytes(self, utilization: float) -> int:
         """`utilization` of total RAM minus what this process already holds, as vLLM-CPU does."""
         vm = psutil.virtual_memory()

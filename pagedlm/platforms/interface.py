@@ -46,6 +46,10 @@ class Platform:
         or None to keep the dense weight."""
         return None
 
+    def reads_dense_weight(self, weight: torch.Tensor) -> bool:
+        """Whether a small-batch kernel needs the dense weight next to the prepacked one."""
+        return False
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 

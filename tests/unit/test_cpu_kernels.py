@@ -1,11 +1,18 @@
-"""The C greedy-sampling kernel against torch.argmax (first maximal index, NaN, -inf rows)."""
+"""The C kernels against their PyTorch paths or fp32 references: greedy argmax, RMSNorm,
+SiLU-and-mul, RoPE and the small-batch AMX linear (decode attention: test_attention.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedlm.kernels.cpu import argmax_rows, cpu_kernels
+from pagedlm.kernels.cpu import (
+    SMALL_BATCH_ROWS,
+    argmax_rows,
+    cpu_kernels,
+    small_batch_linear,
+    small_batch_linear_supported,
+)
 from pagedlm.layers.sampler import greedy_sample
 
 lib = cpu_kernels()
@@ -108,3 +115,34 @@ def test_rotary_kernel_matches_torch(monkeypatch, dtype, rotary_dim) -> None:
     got, want = run(), _torch_path(monkeypatch, run)
     _close(got[0], want[0])
     _close(got[1], want[1])
+
+
+needs_amx = pytest.mark.skipif(
+    not small_batch_linear_supported(), reason="no AMX here: oneDNN serves small batches"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_batch_linear_matches_fp32_reference(rows, with_bias) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    w = torch.randn(48, 96, generator=gen).bfloat16()
+    b = torch.randn(48, generator=gen).bfloat16() if with_bias else None
+    got = small_batch_linear(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    # fp32 sums in another order, one rounding to bf16: within one bf16 step of the reference
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-8)
+
+
+def test_small_batch_linear_declines_what_it_does_not_cover() -> None:
+    def w(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k).bfloat16()
+
+    x = w(4, 96)
+    assert small_batch_linear(w(SMALL_BATCH_ROWS + 1, 96), w(48, 96), None) is None  # rows
+    assert small_batch_linear(x, w(40, 96), None) is None  # N % 16
+    assert small_batch_linear(w(4, 80), w(48, 80), None) is None  # K % 32
+    assert small_batch_linear(x.float(), w(48, 96).float(), None) is None  # fp32

@@ -219,38 +219,10 @@ static inline __attribute__((always_inline)) void attend_avx512(
 }
 #endif
 
-
-#if defined(PAGEDLM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PAGEDLM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-// Linux grants AMX tile state to a process only on request (oneDNN makes the same request).
-static int amx_permitted(void) {
-  static int state = -1;
-  if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                 18 /* XFEATURE_XTILEDATA */) == 0;
-  return state;
-}
-
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} TileConfig;
-
+#ifdef PAGEDLM_AMX
 // Tiles: 0 = scores [16 tokens x 16 heads] fp32, 1 = keys [16 tokens x 32 dims] bf16,
 // 2 = queries [16 dim pairs x 16 heads x 2] bf16 (the VNNI layout AMX wants for B).
-static void amx_configure(void) {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int i = 0; i < 3; i++) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+static void amx_configure(void) { amx_configure_full_tiles(3); }
 
 // bf16 caches, group <= 16, head_size = 16 * DV with DV even, block_size % 16 == 0: the scores
 // come from AMX, 16 tokens (one aligned run of cache slots, read in place) by all heads at

@@ -1,0 +1,104 @@
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias) for decode-sized batches (M <= 64), bf16, on AMX
+// (the Python side sends M <= 32, where it beats oneDNN on this machine).
+//
+// oneDNN streams the weight at ~12 GB/s here when M is small; this kernel reads the dense
+// row-major weight once, 16 output rows at a time as AMX A tiles straight from memory, with
+// software prefetch two blocks ahead (~18 GB/s), against x^T laid out once in the pair-
+// interleaved form AMX wants for B. Sums are fp32; the bias is added before rounding to bf16.
+#include <stdlib.h>
+
+#include "common.h"
+
+#define PREFETCH_BLOCKS 2
+
+#ifdef PAGEDLM_AMX
+// C tiles 0 .. MT - 1 = W[16 rows of block nb] . x^T[:, 16 j .. 16 j + 15]; A = tile 4, B = 5.
+static inline __attribute__((always_inline)) void row_block(const uint16_t* w, const uint32_t* xt,
+                                                            int64_t nb, int64_t N, int64_t K,
+                                                            int64_t mpad, const int MT,
+                                                            float* c) {
+  const char* rows = (const char*)(w + nb * 16 * K);
+  const char* ahead = (const char*)(w + (nb + PREFETCH_BLOCKS) * 16 * K);
+  const int prefetch = (nb + PREFETCH_BLOCKS) * 16 < N;
+  _tile_zero(0);
+  if (MT > 1) _tile_zero(1);
+  if (MT > 2) _tile_zero(2);
+  if (MT > 3) _tile_zero(3);
+  for (int64_t s = 0; s < K / 32; s++) {
+    _tile_loadd(4, rows + s * 64, K * 2);
+    if (prefetch)
+      for (int r = 0; r < 16; r++) _mm_prefetch(ahead + r * K * 2 + s * 64, _MM_HINT_T0);
+    const uint32_t* xs = xt + s * 16 * mpad;
+    _tile_loadd(5, xs, mpad * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    if (MT > 1) {
+      _tile_loadd(5, xs + 16, mpad * 4);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if (MT > 2) {
+      _tile_loadd(5, xs + 32, mpad * 4);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (MT > 3) {
+      _tile_loadd(5, xs + 48, mpad * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, mpad * 4);
+  if (MT > 1) _tile_stored(1, c + 16, mpad * 4);
+  if (MT > 2) _tile_stored(2, c + 32, mpad * 4);
+  if (MT > 3) _tile_stored(3, c + 48, mpad * 4);
+}
+#endif
+
+// Returns 0 (and computes nothing) unless AMX is there and M <= 64, N % 16 == 0, K % 32 == 0.
+int small_batch_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                       int64_t M, int64_t N, int64_t K, int num_threads) {
+#ifdef PAGEDLM_AMX
+  if (M < 1 || M > 64 || N % 16 || K % 32 || !amx_permitted()) return 0;
+  const int MT = (int)((M + 15) / 16);
+  const int64_t mpad = 16 * MT;
+  uint32_t* xt = calloc((K / 2) * mpad, 4);  // xt[p][m] = (x[m][2p], x[m][2p + 1])
+  const uint32_t* x32 = (const uint32_t*)x;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t p = 0; p < K / 2; p++) xt[p * mpad + m] = x32[m * (K / 2) + p];
+#pragma omp parallel num_threads(num_threads)
+  {
+    amx_configure_full_tiles(6);
+    float* c = aligned_alloc(64, sizeof(float) * 16 * 64);  // [16 rows of W][mpad]
+#pragma omp for schedule(static)
+    for (int64_t nb = 0; nb < N / 16; nb++) {
+      switch (MT) {
+        case 1: row_block(w, xt, nb, N, K, mpad, 1, c); break;
+        case 2: row_block(w, xt, nb, N, K, mpad, 2, c); break;
+        case 3: row_block(w, xt, nb, N, K, mpad, 3, c); break;
+        default: row_block(w, xt, nb, N, K, mpad, 4, c);
+      }
+      __m512 b = _mm512_setzero_ps();
+      if (bias != NULL) b = load16(bias, nb * 16, 1);
+      for (int j = 0; j < MT; j++) {  // c is [n][m]: transpose 16 x 16 pieces into y[m][n]
+        __m512 r[16];
+        for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_ps(c + n * mpad + 16 * j);
+        transpose16(r);
+        for (int i = 0; i < 16 && 16 * j + i < M; i++)
+          store16(y, (16 * j + i) * N + nb * 16, _mm512_add_ps(r[i], b), 1);
+      }
+    }
+    free(c);
+    _tile_release();
+  }
+  free(xt);
+  return 1;
+#else
+  (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+  return 0;
+#endif
+}
+
+int small_batch_linear_supported(void) {
+#ifdef PAGEDLM_AMX
+  return amx_permitted();
+#else
+  return 0;
+#endif
+}
