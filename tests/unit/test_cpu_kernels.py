@@ -123,7 +123,7 @@ needs_amx = pytest.mark.skipif(
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 48])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_linear_matches_fp32_reference(rows, with_bias) -> None:
     gen = torch.Generator().manual_seed(rows)
