@@ -43,15 +43,19 @@ class SamplingMetadata:
     logprobs_mode: str = "raw_logprobs"
 
     @property
-    def modifies_logits(self) -> bool:
-        """True when a logits processor or penalty applies to some row."""
+    def has_logits_processors(self) -> bool:
+        """True when allowed ids, bad words, min_tokens or logit_bias apply to some row."""
         return bool(
             self.allowed_token_ids
             or self.bad_words_token_ids
             or self.min_tokens_stop_ids
             or self.logit_bias
-            or self.repetition_penalties is not None
         )
+
+    @property
+    def modifies_logits(self) -> bool:
+        """True when a logits processor or penalty applies to some row."""
+        return self.has_logits_processors or self.repetition_penalties is not None
 
 
 @dataclass
@@ -107,12 +111,7 @@ class Sampler:
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if not (
-            md.allowed_token_ids
-            or md.bad_words_token_ids
-            or md.min_tokens_stop_ids
-            or md.logit_bias
-        ):
+        if not md.has_logits_processors:
             return logits
         logits = logits.clone()
         neg_inf = float("-inf")
