@@ -6,11 +6,14 @@ environment), with the same thread count, and prints one JSON line of results.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +64,40 @@ def run_backend(
         sys.stderr.write(proc.stderr[-3000:])
         return {"error": f"exit {proc.returncode}"}
     return json.loads(lines[-1])
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments every benchmark takes, plus the hidden pair that selects worker mode."""
+    parser.add_argument("--backends", default="pagedlm,transformers")
+    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+
+
+def model_and_vocab(args: argparse.Namespace) -> tuple[str, int]:
+    """The model directory (default: the packaged model, converted once) and its vocab size."""
+    model = args.model or default_model()
+    return model, json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+
+
+def run_backends(
+    script: str, backends: list[str], spec: dict, args: argparse.Namespace
+) -> Iterator[tuple[str, dict]]:
+    """Run each backend on `spec` in its own subprocess; yields (backend, result) in order."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        for backend in backends:
+            print(f"running {backend} ...", file=sys.stderr, flush=True)
+            yield backend, run_backend(script, backend, f.name, args.threads, args.vllm_python)
+    finally:
+        os.unlink(f.name)
 
 
 def run_worker(workers: dict, backend: str, spec_path: str) -> None:

@@ -10,12 +10,10 @@ import argparse
 import json
 import random
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import default_model, make_llm, run_backend, run_worker
+from common import add_common_args, make_llm, model_and_vocab, run_backends, run_worker
 
 
 def run_llm_api(backend: str, spec: dict) -> dict:
@@ -75,23 +73,13 @@ WORKERS = {
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default="pagedlm,transformers")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--vllm-python", default=None)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         run_worker(WORKERS, args.worker, args.spec)
         return
-    model = args.model or default_model()
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    model, vocab = model_and_vocab(args)
     rng = random.Random(0)
     spec = {
         "model": model,
@@ -100,12 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "max_model_len": args.max_model_len,
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    results = {}
-    for backend in args.backends.split(","):
-        print(f"running {backend} ...", file=sys.stderr, flush=True)
-        results[backend] = run_backend(__file__, backend, f.name, args.threads, args.vllm_python)
+    results = dict(run_backends(__file__, args.backends.split(","), spec, args))
     print(f"\nbatch 1, input {args.input_len}, output {args.output_len}, threads {args.threads}")
     print(f"{'backend':<14}{'TTFT ms':>10}{'decode tok/s':>14}{'peak RSS MB':>13}")
     for name, r in results.items():

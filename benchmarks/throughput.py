@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import default_model, make_llm, run_backend, run_worker
+from common import add_common_args, make_llm, model_and_vocab, run_backends, run_worker
 
 
 # ------------------------------------------------------------------ workloads
@@ -139,29 +137,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workload", default="random", choices=["random", "mixed", "shared-prefix"]
     )
-    parser.add_argument("--backends", default="pagedlm,transformers")
-    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    add_common_args(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prefix-len", type=int, default=1024)
-    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--hf-batch-sizes", default="32,64")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vllm-python", default=None)
-    parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
         run_worker(WORKERS, args.worker, args.spec)
         return
 
-    model = args.model or default_model()
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    model, vocab = model_and_vocab(args)
     requests = make_requests(args, vocab)
     backends = args.backends.split(",")
     if args.workload == "shared-prefix" and "pagedlm" in backends:
@@ -173,19 +161,14 @@ def main(argv: list[str] | None = None) -> None:
         "max_num_seqs": args.max_num_seqs,
         "hf_batch_sizes": [int(b) for b in args.hf_batch_sizes.split(",")],
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
     results: dict[str, dict] = {}
-    for backend in backends:
-        print(f"running {backend} ...", file=sys.stderr, flush=True)
-        r = run_backend(__file__, backend, f.name, args.threads, args.vllm_python)
+    for backend, r in run_backends(__file__, backends, spec, args):
         if "elapsed" in r:
             r["in_tok_s"] = r["input_tokens"] / r["elapsed"]
             r["out_tok_s"] = r["output_tokens"] / r["elapsed"]
             r["total_tok_s"] = (r["input_tokens"] + r["output_tokens"]) / r["elapsed"]
         results[backend] = r
         print(f"{backend}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    os.unlink(f.name)
     print(
         f"\nworkload={args.workload} requests={len(requests)} threads={args.threads} model={model}"
     )
