@@ -67,14 +67,15 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_kernel_matches_torch(monkeypatch, dtype, offset, with_residual) -> None:
+@pytest.mark.parametrize("hidden", [72, 96])  # 96: the AVX-512 row path
+def test_rms_norm_kernel_matches_torch(monkeypatch, dtype, offset, with_residual, hidden) -> None:
     from pagedlm.layers.layernorm import RMSNorm
 
     gen = torch.Generator().manual_seed(1)
-    norm = RMSNorm(72, eps=1e-6, offset=offset).to(dtype)
-    norm.weight.data.copy_(torch.randn(72, generator=gen))
-    x = (torch.randn(37, 72, generator=gen) * 3).to(dtype)
-    res = torch.randn(37, 72, generator=gen).to(dtype) if with_residual else None
+    norm = RMSNorm(hidden, eps=1e-6, offset=offset).to(dtype)
+    norm.weight.data.copy_(torch.randn(hidden, generator=gen))
+    x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
+    res = torch.randn(37, hidden, generator=gen).to(dtype) if with_residual else None
     want = _torch_path(monkeypatch, lambda: norm(x, None if res is None else res.clone()))
     got = norm(x, None if res is None else res.clone())
     if with_residual:
@@ -123,7 +124,7 @@ needs_amx = pytest.mark.skipif(
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 48])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 48, 49, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_linear_matches_fp32_reference(rows, with_bias) -> None:
     gen = torch.Generator().manual_seed(rows)

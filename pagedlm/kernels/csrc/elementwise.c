@@ -5,6 +5,36 @@
 
 #include "common.h"
 
+#ifdef PAGEDLM_AVX512
+// One row of rms_norm below on 16 lanes (hidden % 16 == 0), same roundings; `row` is scratch.
+static void rms_norm_row512(const void* x, void* residual, const float* w, void* out,
+                            int64_t offset_elems, int64_t hidden, float eps, float offset, int bf16,
+                            float* row) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hidden; i += 16) {
+    __m512 v = load16(x, offset_elems + i, bf16);
+    if (residual != NULL) {
+      v = _mm512_add_ps(v, load16(residual, offset_elems + i, bf16));
+      if (bf16) v = round512_bf16(v);
+      store16(residual, offset_elems + i, v, bf16);
+    }
+    _mm512_storeu_ps(row + i, v);
+    sum = _mm512_fmadd_ps(v, v, sum);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(sum) / (float)hidden + eps));
+  for (int64_t i = 0; i < hidden; i += 16) {
+    const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(row + i), inv);
+    const __m512 wi = _mm512_loadu_ps(w + i);
+    __m512 y;
+    if (offset != 0.f)
+      y = _mm512_mul_ps(normed, _mm512_add_ps(_mm512_set1_ps(offset), wi));
+    else
+      y = _mm512_mul_ps(wi, bf16 ? round512_bf16(normed) : normed);
+    store16(out, offset_elems + i, y, bf16);
+  }
+}
+#endif
+
 // out = norm(x + residual) * w; `residual` (if not NULL) is overwritten with x + residual.
 // offset 0: w * bf16(norm) (Llama); offset 1: norm * (1 + w) rounded once (Gemma).
 void rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows,
@@ -17,6 +47,12 @@ void rms_norm(const void* x, void* residual, const void* weight, void* out, int6
     load_row(weight, 0, hidden, bf16, w);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
+#ifdef PAGEDLM_AVX512
+      if (hidden % 16 == 0) {
+        rms_norm_row512(x, residual, w, out, r * hidden, hidden, eps, offset, bf16, row);
+        continue;
+      }
+#endif
       load_row(x, r * hidden, hidden, bf16, row);
       if (residual != NULL) {
         load_row(residual, r * hidden, hidden, bf16, res);
