@@ -199,3 +199,20 @@ def append_logprobs_for_next_position(
             for token_id, lp, r, text in zip(token_ids, logprobs, ranks, decoded_tokens)
         }
     )
+
+
+def last_sampled_token_ids(
+    request_logprobs: PromptLogprobs | SampleLogprobs, count: int
+) -> list[int]:
+    """The sampled (or actual prompt) token of each of the last ``count`` positions, oldest
+    first, skipping empty ones: entry 0 of a position is always that token."""
+    start = max(0, len(request_logprobs) - count)
+    if isinstance(request_logprobs, FlatLogprobs):
+        first, last = request_logprobs.start_indices, request_logprobs.end_indices
+        return [
+            request_logprobs.token_ids[first[i]]
+            for i in range(start, len(request_logprobs))
+            if first[i] < last[i]
+        ]
+    positions = (request_logprobs[i] for i in range(start, len(request_logprobs)))
+    return [next(iter(position)) for position in positions if position]

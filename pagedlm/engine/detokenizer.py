@@ -1,4 +1,5 @@
-"""Incremental detokenization, stop-string matching and per-token strings for logprobs.
+"""Incremental detokenization and stop-string matching (per-token strings for logprobs are in
+``detokenizer_utils``).
 
 Behaviour follows vLLM v1 (``vllm/v1/engine/detokenizer.py``), reimplemented here.
 
@@ -35,17 +36,12 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from pagedlm.engine.detokenizer_utils import REPLACEMENT_CHAR, is_fast_tokenizer
+
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "IncrementalDetokenizer",
-    "check_stop_strings",
-    "convert_ids_list_to_tokens",
-    "correct_decoded_tokens",
-    "detokenize_prompt",
-]
+__all__ = ["IncrementalDetokenizer", "check_stop_strings"]
 
-REPLACEMENT_CHAR = "\ufffd"
 _INVALID_PREFIX_ERR_MSG = "Invalid prefix encountered"
 # Prompt tokens used as decoding context: the shortest clean suffix of at least _MIN_CONTEXT
 # tokens, looking back at most _MAX_CONTEXT tokens.
@@ -55,16 +51,8 @@ _MAX_CONTEXT = 24
 _SLOW_OFFSET = 5
 
 
-def _is_fast(tokenizer: Any) -> bool:
-    """True when the tokenizer is backed by a ``tokenizers.Tokenizer``."""
-    return bool(getattr(tokenizer, "is_fast", False)) and isinstance(
-        getattr(tokenizer, "_tokenizer", None), Tokenizer
-    )
-
-
-# Per-tokenizer caches, keyed weakly on the tokenizer object.
+# Per-tokenizer cache, keyed weakly on the tokenizer object.
 _added_tokens_cache: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
-_token_str_cache: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
 def _added_token_contents(tokenizer: Any) -> dict[int, str]:
@@ -292,7 +280,7 @@ class IncrementalDetokenizer:
         self._stream: _NullStream | _FastStream | _SlowStream
         if tokenizer is None:
             self._stream = _NullStream()
-        elif _is_fast(tokenizer):
+        elif is_fast_tokenizer(tokenizer):
             self._stream = _FastStream(
                 tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens
             )
@@ -378,95 +366,3 @@ class IncrementalDetokenizer:
             self._last_output_text_offset = length
             return text[last:length]
         return ""
-
-
-def _decode_single_ids_fast(tokenizer: Any, token_ids: list[int]) -> list[str]:
-    """``tokenizer.decode([i])`` for each id in one Rust call (fast tokenizers)."""
-    texts = tokenizer._tokenizer.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        clean = tokenizer.clean_up_tokenization
-        texts = [clean(t) for t in texts]
-    return texts
-
-
-def convert_ids_list_to_tokens(tokenizer: Any, token_ids: list[int]) -> list[str]:
-    """Decode each id on its own, as vLLM does for ``Logprob.decoded_token``.
-
-    Equals ``[tokenizer.decode([i]) or "" for i in token_ids]`` (default
-    ``skip_special_tokens=False``): special tokens give their text, a byte-level token holding
-    an incomplete UTF-8 sequence gives U+FFFD, an out-of-vocabulary id gives "".
-    Non-empty results are cached per tokenizer (an id's text never changes, even when tokens
-    are added later; empty ones are not cached since the id may become valid).
-    """
-    if not token_ids:
-        return []
-    try:
-        cache = _token_str_cache.get(tokenizer)
-        if cache is None:
-            cache = _token_str_cache[tokenizer] = {}
-    except TypeError:
-        cache = {}
-    get = cache.get
-    out = [get(i) for i in token_ids]
-    if None not in out:
-        return out  # type: ignore[return-value]
-    missing = list(dict.fromkeys(i for i, text in zip(token_ids, out) if text is None))
-    texts: dict[int, str] = {}
-    from transformers import PreTrainedTokenizerFast
-
-    if _is_fast(tokenizer) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
-        valid = [i for i in missing if 0 <= i < 2**32]
-        texts.update(zip(valid, _decode_single_ids_fast(tokenizer, valid), strict=True))
-    else:
-        for i in missing:
-            try:
-                texts[i] = tokenizer.decode([i]) or ""
-            except (OverflowError, TypeError, IndexError, ValueError):
-                pass
-    cache.update((i, text) for i, text in texts.items() if text)
-    return [texts.get(i, "") if text is None else text for i, text in zip(token_ids, out)]
-
-
-def correct_decoded_tokens(
-    tokenizer: Any,
-    decoded_tokens: list[str],
-    token_ids: list[int],
-    prev_token_id: int | None = None,
-) -> list[str]:
-    """vLLM's ``LogprobsProcessor._verify_tokens``: fix strings ending in U+FFFD in place.
-
-    For one position's candidates (``token_ids``, sampled token first), a string ending in U+FFFD
-    is replaced by the decode of (previous candidate, token), else of (``prev_token_id``, previous
-    candidate, token) where ``prev_token_id`` is the previous position's sampled token, whichever
-    first does not end in U+FFFD; otherwise by "".
-    """
-    fixes: dict[int, str] = {}
-    for idx, text in enumerate(decoded_tokens):
-        if not text.endswith(REPLACEMENT_CHAR):
-            continue
-        fixed = ""
-        if idx > 0:
-            candidate = tokenizer.decode(token_ids[idx - 1 : idx + 1])
-            if not candidate.endswith(REPLACEMENT_CHAR):
-                fixes[idx] = candidate
-                continue
-        if prev_token_id is not None:
-            ids = [prev_token_id, *token_ids[max(idx - 1, 0) : idx + 1]]
-            candidate = tokenizer.decode(ids)
-            if not candidate.endswith(REPLACEMENT_CHAR):
-                fixed = candidate
-        fixes[idx] = fixed
-    for idx, text in fixes.items():
-        decoded_tokens[idx] = text
-    return decoded_tokens
-
-
-def detokenize_prompt(
-    tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True
-) -> str:
-    """Decode a whole prompt (no tokenization-space cleanup)."""
-    return tokenizer.decode(
-        prompt_token_ids,
-        skip_special_tokens=skip_special_tokens,
-        clean_up_tokenization_spaces=False,
-    )

@@ -12,12 +12,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedlm.core.sched_output import EngineCoreOutput, LogprobsLists
-from pagedlm.engine.detokenizer import IncrementalDetokenizer, convert_ids_list_to_tokens
+from pagedlm.engine.detokenizer import IncrementalDetokenizer
+from pagedlm.engine.detokenizer_utils import (
+    REPLACEMENT_CHAR,
+    convert_ids_list_to_tokens,
+    correct_decoded_tokens,
+)
 from pagedlm.engine.input_processor import EngineCoreRequest
 from pagedlm.logprobs import (
+    PromptLogprobs,
+    SampleLogprobs,
     append_logprobs_for_next_position,
     create_prompt_logprobs,
     create_sample_logprobs,
+    last_sampled_token_ids,
 )
 from pagedlm.metrics import FinishedRequestStats, IterationStats
 from pagedlm.outputs import (
@@ -93,10 +101,18 @@ class RequestState:
         if self.stats is not None:
             self.stats.queued_ts = time.monotonic()
 
-    def _decoded(self, ids: list[int]) -> list[str | None]:
+    def _decoded(
+        self, ids: list[int], target: PromptLogprobs | SampleLogprobs
+    ) -> list[str] | list[None]:
+        """Each candidate's own string; partial UTF-8 ones are completed from the tokens of
+        the positions before (vLLM's U+FFFD correction)."""
         if self.tokenizer is None:
             return [None] * len(ids)
-        return convert_ids_list_to_tokens(self.tokenizer, ids)
+        texts = convert_ids_list_to_tokens(self.tokenizer, ids)
+        if any(text.endswith(REPLACEMENT_CHAR) for text in texts):
+            context = last_sampled_token_ids(target, 4)
+            correct_decoded_tokens(self.tokenizer, texts, ids, context)
+        return texts
 
     def add_logprobs(self, lists: LogprobsLists | None, prompt: bool) -> None:
         target = self.prompt_logprobs if prompt else self.logprobs
@@ -107,7 +123,7 @@ class RequestState:
             lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks
         ):
             append_logprobs_for_next_position(
-                target, ids, values, self._decoded(ids), rank, -1 if k == -1 else k
+                target, ids, values, self._decoded(ids, target), rank, -1 if k == -1 else k
             )
             if not prompt and self.cumulative_logprob is not None:
                 self.cumulative_logprob += values[0]

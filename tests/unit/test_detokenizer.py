@@ -9,13 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GPT2Tokenizer, PreTrainedTokenizerFast
 
-from pagedlm.engine.detokenizer import (
-    IncrementalDetokenizer,
-    check_stop_strings,
-    convert_ids_list_to_tokens,
-    correct_decoded_tokens,
-    detokenize_prompt,
-)
+from pagedlm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from pagedlm.engine.detokenizer_utils import convert_ids_list_to_tokens, correct_decoded_tokens
 from tests.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer
 
 FFFD = "\ufffd"
@@ -440,17 +435,58 @@ def test_convert_ids_list_to_tokens_cleanup_spaces(tmp_path: Path) -> None:
     assert convert_ids_list_to_tokens(tokenizer, ids) == [tokenizer.decode([i]) for i in ids]
 
 
-def test_correct_decoded_tokens(tok) -> None:
-    ids = _enc(tok, "日本語🙂")
-    pieces = convert_ids_list_to_tokens(tok, ids)
-    fixed = correct_decoded_tokens(tok, list(pieces), ids, prev_token_id=ids[0])
-    assert len(fixed) == len(pieces)
-    assert all(not p.endswith(FFFD) for p in fixed)
-    clean = convert_ids_list_to_tokens(tok, _enc(tok, "Hello"))
-    assert correct_decoded_tokens(tok, list(clean), _enc(tok, "Hello")) == clean
+def _sampled_one_by_one(tokenizer, ids: list[int]) -> list[str]:
+    """decoded_token of each id as the output processor gives it when they are sampled in turn."""
+    pieces = []
+    for i, token_id in enumerate(ids):
+        texts = convert_ids_list_to_tokens(tokenizer, [token_id])
+        pieces += correct_decoded_tokens(tokenizer, texts, [token_id], ids[max(0, i - 4) : i])
+    return pieces
 
 
-def test_detokenize_prompt(tok) -> None:
-    ids = tok.encode("Hi 日本語")
-    assert detokenize_prompt(tok, ids) == "Hi 日本語"
-    assert detokenize_prompt(tok, ids, skip_special_tokens=False) == "<s>Hi 日本語"
+@pytest.mark.parametrize("text", ["日本語🙂", "mixédé日🙂x"])
+def test_correct_decoded_tokens_completes_byte_fallback_characters(sp_tok, text) -> None:
+    """Byte-fallback pieces of a partial character give "" and the piece that completes it
+    gives the whole character, so the pieces join into the text."""
+    pieces = _sampled_one_by_one(sp_tok, _enc(sp_tok, text))
+    assert not any(FFFD in p for p in pieces)
+    assert "".join(pieces) == sp_tok.decode(_enc(sp_tok, text))
+
+
+def test_correct_decoded_tokens_matches_vllm_on_byte_level_bpe(tok) -> None:
+    # Recorded from vLLM 0.32.0 (LogprobsProcessor._verify_tokens) on this tokenizer. Byte-level
+    # tokens that straddle characters lose text there; pagedlm answers the same.
+    assert _sampled_one_by_one(tok, _enc(tok, "日本語🙂")) == [
+        "", "", "", "", "\ufffd語", "", "", "", "🙂",
+    ]  # fmt: skip
+    assert _sampled_one_by_one(tok, _enc(tok, "mixed é日🙂x")) == [
+        "m", "i", "x", "e", "d", " ", "é", "", "日", "", "", "", "🙂", "x",
+    ]  # fmt: skip
+    assert _sampled_one_by_one(tok, _enc(tok, "Les élèves")) == ["Les", " ", "é", "", "\ufffdves"]
+
+
+def test_correct_decoded_tokens_leaves_whole_strings(tok) -> None:
+    ids = _enc(tok, "Hello there")
+    clean = convert_ids_list_to_tokens(tok, ids)
+    assert correct_decoded_tokens(tok, list(clean), ids, []) == clean
+    partial = [i for i, p in zip(ids, convert_ids_list_to_tokens(tok, _enc(tok, "日"))) if p]
+    # a lone partial byte with no context to complete it gives ""
+    assert correct_decoded_tokens(tok, [FFFD], partial[:1], []) == [""]
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_sample_logprobs_complete_partial_characters(sp_tok, flat: bool) -> None:
+    """The output processor corrects decoded_token with the tokens sampled before it."""
+    from pagedlm.core.sched_output import LogprobsLists
+    from pagedlm.engine.input_processor import EngineCoreRequest
+    from pagedlm.engine.output_processor import RequestState
+    from pagedlm.sampling_params import SamplingParams
+
+    params = SamplingParams(logprobs=1, flat_logprobs=flat)
+    request = EngineCoreRequest("r", None, [BOS], params, eos_token_id=EOS, arrival_time=0.0)
+    state = RequestState(request, "r", sp_tok, None, child_index=0, log_stats=False)
+    ids = _enc(sp_tok, "日本")
+    for token_id in ids:  # the first piece is also every position's alternative
+        state.add_logprobs(LogprobsLists([[token_id, ids[0]]], [[-0.1, -0.2]], [1]), prompt=False)
+    assert state.logprobs is not None
+    assert "".join(position[t].decoded_token for position, t in zip(state.logprobs, ids)) == "日本"
