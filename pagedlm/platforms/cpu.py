@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 _threads_set = False
 # oneDNN picks its blocked weight layout for this many rows; 64 was best from 1 to 4096 rows.
 _PREPACK_BATCH_HINT = 64
+# Dense bf16 copies (for the small-batch kernel) are kept while the process stays under this.
+_DENSE_COPY_RAM_FRACTION = 0.4
 
 
 class CpuPlatform(Platform):
@@ -62,12 +64,17 @@ class CpuPlatform(Platform):
 
     def reads_dense_weight(self, weight: torch.Tensor) -> bool:
         """bf16 with AMX: decode batches stream the dense weight through the small-batch kernel
-        (oneDNN's prepacked copy serves prefill), at the price of holding both."""
+        (oneDNN's prepacked copy serves prefill), at the price of holding both. Only while the
+        process stays under `_DENSE_COPY_RAM_FRACTION` of RAM with this copy: a model too big to
+        hold twice keeps the prepacked layout alone, and the KV cache keeps its room."""
         if weight.dtype != torch.bfloat16:
             return False
         from pagedlm.kernels.cpu import small_batch_linear_supported
 
-        return small_batch_linear_supported()
+        if not small_batch_linear_supported():
+            return False
+        held = psutil.Process().memory_info().rss + weight.numel() * weight.element_size()
+        return held <= psutil.virtual_memory().total * _DENSE_COPY_RAM_FRACTION
 
     def kv_cache_budget_bytes(self, utilization: float) -> int:
         """`utilization` of total RAM minus what this process already holds, as vLLM-CPU does."""

@@ -147,3 +147,18 @@ def test_small_batch_linear_declines_what_it_does_not_cover() -> None:
     assert small_batch_linear(x, w(40, 96), None) is None  # N % 16
     assert small_batch_linear(w(4, 80), w(48, 80), None) is None  # K % 32
     assert small_batch_linear(x.float(), w(48, 96).float(), None) is None  # fp32
+
+
+def test_dense_weight_copy_only_while_ram_allows(monkeypatch) -> None:
+    """The dense bf16 copy next to the prepacked one needs AMX and room: a model that would
+    take RAM past the limit keeps the prepacked layout alone."""
+    from types import SimpleNamespace
+
+    from pagedlm.platforms.cpu import CpuPlatform
+
+    platform = CpuPlatform()
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert not platform.reads_dense_weight(w.float())
+    assert platform.reads_dense_weight(w) == small_batch_linear_supported()
+    monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(total=1 << 20))
+    assert not platform.reads_dense_weight(w)
