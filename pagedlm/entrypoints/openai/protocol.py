@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> engine requests; finished RequestOutputs -> OpenAI response bodies.
+"""OpenAI request bodies -> engine requests (the response bodies are built in `responses.py`).
 
 `URL_HANDLERS` maps each url to a `prepare_*` function: it validates one body and returns a
 PreparedRequest (prompt, params, and how to turn the finished RequestOutput into the response
@@ -10,20 +10,22 @@ structured outputs) are errors. A pooling handler replaces `prepare_embedding` l
 from __future__ import annotations
 
 import base64
-import itertools
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedlm.entrypoints.openai.responses import (
+    chat_logprobs,
+    completion_logprobs,
+    logprob_steps,
+    response_body,
+)
 from pagedlm.inputs import TokensPrompt
 from pagedlm.outputs import CompletionOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
-
-MIN_LOGPROB = -9999.0  # written instead of -inf (and NaN) logprobs, as OpenAI and vLLM do
 
 
 class RequestError(Exception):
@@ -284,12 +286,12 @@ def _prepared(
     def choice(c: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if num_logprobs is not None:
-            steps = _steps(c, ctx.tokenizer, num_logprobs, as_ids)
-            logprobs = _chat_logprobs(steps) if chat else _completion_logprobs(steps)
+            steps = logprob_steps(c, ctx.tokenizer, num_logprobs, as_ids)
+            logprobs = chat_logprobs(steps) if chat else completion_logprobs(steps)
         content = {"message": {"role": role, "content": c.text}} if chat else {"text": c.text}
         return {"index": c.index, **content, "logprobs": logprobs}
 
-    return PreparedRequest(prompt, params, lambda out: _body(prefix, obj, out, ctx, choice))
+    return PreparedRequest(prompt, params, lambda out: response_body(prefix, obj, out, ctx, choice))
 
 
 def prepare_embedding(body: dict[str, Any], ctx: ServingContext) -> PreparedRequest:
@@ -348,88 +350,3 @@ URL_HANDLERS: dict[str, Callable[[dict[str, Any], ServingContext], PreparedReque
     "/v1/completions": prepare_completion,
     "/v1/embeddings": prepare_embedding,
 }
-
-
-# ---------------------------------------------------------------- responses
-def _body(
-    prefix: str,
-    obj: str,
-    output: RequestOutput,
-    ctx: ServingContext,
-    choice: Callable[[CompletionOutput], dict[str, Any]],
-) -> dict[str, Any]:
-    prompt_tokens = len(output.prompt_token_ids or ())
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-    return {
-        "id": f"{prefix}-{output.request_id}",
-        "object": obj,
-        "created": int(time.time()),
-        "model": ctx.model_name,
-        "choices": [
-            {**choice(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            for c in output.outputs
-        ],
-        "usage": {**usage, "total_tokens": prompt_tokens + completion_tokens},
-    }
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
-
-
-def _token_str(token_id: int, lp: Any, tokenizer: Any, as_ids: bool) -> str:
-    if lp is not None and lp.decoded_token is not None and not as_ids:
-        return lp.decoded_token
-    if as_ids or tokenizer is None:
-        return f"token_id:{token_id}"
-    return tokenizer.decode([token_id])
-
-
-# One generated token: (its text, its logprob or None, [(text, logprob)] of the top k tokens).
-_Step = tuple[str, "float | None", list[tuple[str, float]]]
-
-
-def _steps(c: CompletionOutput, tokenizer: Any, k: int, as_ids: bool) -> list[_Step]:
-    steps: list[_Step] = []
-    for token_id, position in zip(c.token_ids, c.logprobs or ()):
-        position = position or {}
-        sampled = position.get(token_id)
-        ranked = sorted(  # by vocabulary rank: the sampled token may or may not be in the top k
-            position.items(),
-            key=lambda kv: (kv[1].rank if kv[1].rank is not None else math.inf, -kv[1].logprob),
-        )
-        top = [(_token_str(t, lp, tokenizer, as_ids), _finite(lp.logprob)) for t, lp in ranked[:k]]
-        logprob = None if sampled is None else _finite(sampled.logprob)
-        steps.append((_token_str(token_id, sampled, tokenizer, as_ids), logprob, top))
-    return steps
-
-
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
-def _chat_logprobs(steps: list[_Step]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": token,
-                "logprob": MIN_LOGPROB if logprob is None else logprob,
-                "bytes": _bytes(token),
-                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in top],
-            }
-            for token, logprob, top in steps
-        ]
-    }
-
-
-def _completion_logprobs(steps: list[_Step]) -> dict[str, Any]:
-    """OpenAI's legacy shape; each top_logprobs entry has the top k plus the sampled token."""
-    tokens = [token for token, _, _ in steps]
-    sampled = [{} if v is None else {t: v} for t, v, _ in steps]
-    return {
-        "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1],
-        "token_logprobs": [logprob for _, logprob, _ in steps],
-        "tokens": tokens,
-        "top_logprobs": [{**dict(top), **s} for (_, _, top), s in zip(steps, sampled)],
-    }
