@@ -1,0 +1,41 @@
+"""The throughput benchmark's pure parts: workloads are reproducible, rounds reduce to a median."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("throughput")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_median_round_keeps_every_total(throughput) -> None:
+    rounds = [{"elapsed": 1.0, "total_tok_s": t} for t in (300.0, 100.0, 200.0)]
+    rounds.append({"error": "exit 1"})
+    median = throughput.median_round(rounds)
+    assert median["total_tok_s"] == 200.0
+    assert median["round_totals"] == [100.0, 200.0, 300.0]
+    assert throughput.median_round(rounds[:2])["total_tok_s"] == 100.0  # lower of two
+    assert throughput.median_round([{"error": "exit 1"}]) == {"error": "exit 1"}
+
+
+@pytest.mark.parametrize("workload", ["random", "mixed", "shared-prefix"])
+def test_workloads_are_reproducible(throughput, workload) -> None:
+    args = argparse.Namespace(
+        workload=workload, seed=0, num_prompts=8, input_len=16, output_len=4, prefix_len=32
+    )
+    first = throughput.make_requests(args, vocab=5000)
+    assert first == throughput.make_requests(args, vocab=5000) and len(first) == 8
+    assert all(1000 <= t < 4000 for prompt, _ in first for t in prompt)
