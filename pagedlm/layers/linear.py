@@ -35,15 +35,18 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def prepack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight to keep, prepacked copy or None): the dense weight survives only where the
-    platform's small-batch kernel reads it, else the prepacked layout replaces it."""
+def prepack_weight(module: nn.Module) -> torch.Tensor | None:
+    """Prepack `module.weight` for `linear`; returns the copy to pass as `packed`, or None.
+
+    The dense weight survives only where the platform's small-batch kernel reads it; otherwise
+    the prepacked layout replaces `module.weight` (and None is returned).
+    """
+    weight = module.weight.data
     packed = current_platform.prepack_linear_weight(weight)
-    if packed is None:
-        return weight, None
-    if current_platform.reads_dense_weight(weight):
-        return weight, packed
-    return packed, None
+    if packed is None or current_platform.reads_dense_weight(weight):
+        return packed
+    module.weight = nn.Parameter(packed, requires_grad=False)
+    return None
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -77,9 +80,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def process_weights_after_loading(self) -> None:
-        weight, self.packed_weight = prepack(self.weight.data)
-        if weight is not self.weight.data:
-            self.weight = nn.Parameter(weight, requires_grad=False)
+        self.packed_weight = prepack_weight(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlm.layers.linear import default_weight_loader, linear, prepack
+from pagedlm.layers.linear import default_weight_loader, linear, prepack_weight
 from pagedlm.platforms import current_platform
 
 
@@ -40,9 +40,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tied:  # lookups need the dense weight: only add the packed copy
             self.logits_weight = current_platform.prepack_linear_weight(self.weight.data)
             return
-        weight, self.logits_weight = prepack(self.weight.data)
-        if weight is not self.weight.data:
-            self.weight = nn.Parameter(weight, requires_grad=False)
+        self.logits_weight = prepack_weight(self)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (the sampler casts)."""
