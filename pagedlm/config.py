@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedlm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +158,30 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many ranks run the model and how they are started.
+
+    `world_size` = tensor_parallel_size (pipeline parallelism is refused). Data-parallel
+    ranks are separate engine processes (see examples/data_parallel.py): each engine knows its
+    rank only to report it.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    distributed_executor_backend: str = "uni"  # "uni": in this process; "mp": one per rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     disable_log_stats: bool = False
-    device: str = field(default_factory=lambda: os.environ.get("PAGEDLM_DEVICE", "auto"))
+    device: str = field(default_factory=lambda: envs.PAGEDLM_DEVICE)

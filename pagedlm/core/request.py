@@ -11,8 +11,6 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from pagedlm.core.block_hash import hash_request_blocks
 
 if TYPE_CHECKING:
@@ -84,9 +82,11 @@ class Request:
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
-        self.generator: torch.Generator | None = None
-        if sampling_params is not None and sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        # What the workers know of this request (the scheduler sends them diffs).
+        self.sent_to_workers = False
+        self.resumed_from_preemption = False
+        self.num_synced_tokens = 0
+        self.num_synced_blocks = 0
         # Timestamps (monotonic) for metrics.
         self.queued_ts = time.monotonic()
         self.scheduled_ts = 0.0

@@ -18,7 +18,12 @@ from collections.abc import Iterable
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
-from pagedlm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched_output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
 class RequestQueue:
@@ -153,15 +158,47 @@ class Scheduler:
 
         now = time.monotonic()
         for request in scheduled:
-            n = out.num_scheduled_tokens[request.request_id]
             out.num_computed_tokens[request.request_id] = request.num_computed_tokens
-            request.num_computed_tokens += n
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             if not request.scheduled_ts:
                 request.scheduled_ts = now
-        out.scheduled_requests = scheduled
+            self._describe_for_workers(request, out)
+        out.scheduled_req_ids = [r.request_id for r in scheduled]
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         return out
+
+    def _describe_for_workers(self, request: Request, out: SchedulerOutput) -> None:
+        """Add the request to `out` as new (whole) or cached (what changed since last sent)."""
+        rid = request.request_id
+        block_ids = self.kv_cache_manager.get_block_ids(rid)
+        computed = out.num_computed_tokens[rid]
+        if not request.sent_to_workers:
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    pooling_params=request.pooling_params,
+                    block_ids=block_ids,
+                    num_computed_tokens=computed,
+                    token_type_ids=request.token_type_ids,
+                )
+            )
+            request.sent_to_workers = True
+        else:
+            cached = out.scheduled_cached_reqs
+            resumed = request.resumed_from_preemption
+            cached.req_ids.append(rid)
+            cached.resumed_from_preemption.append(resumed)
+            cached.new_token_ids.append(request.all_token_ids[request.num_synced_tokens :])
+            cached.new_block_ids.append(
+                block_ids if resumed else block_ids[request.num_synced_blocks :]
+            )
+            cached.num_computed_tokens.append(computed)
+        request.resumed_from_preemption = False
+        request.num_synced_tokens = request.num_tokens
+        request.num_synced_blocks = len(block_ids)
 
     def _admit_waiting(
         self, out: SchedulerOutput, scheduled: list[Request], budget: int, threshold: int
@@ -205,6 +242,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.resumed_from_preemption = request.sent_to_workers
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
@@ -215,8 +253,10 @@ class Scheduler:
         """Append sampled tokens, check stops, cache full blocks, free finished requests."""
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
-        for request in scheduler_output.scheduled_requests:
-            rid = request.request_id
+        for rid in scheduler_output.scheduled_req_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue  # finished outside the step (abort) while the step ran
             new_token_ids = runner_output.sampled_token_ids.get(rid, [])
             prompt_logprobs = runner_output.prompt_logprobs.get(rid)
             pooler_output = runner_output.pooler_output.get(rid)

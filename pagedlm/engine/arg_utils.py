@@ -16,9 +16,11 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedlm import envs
 from pagedlm.config import (
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
     derive_max_model_len,
@@ -52,13 +54,27 @@ _HELP: dict[str, str] = {
     "override_generation_config": "JSON dict merged over the generation config.",
     "enforce_eager": "Run the model eagerly (no torch.compile).",
     "load_format": "auto, safetensors, gguf or dummy (random weights).",
+    "tensor_parallel_size": "Shard the model over this many worker processes (gloo on CPU).",
+    "data_parallel_size": "Data-parallel engines are separate processes: see "
+    "examples/data_parallel.py (VLLM_DP_RANK / VLLM_DP_SIZE).",
+    "distributed_executor_backend": "uni (in this process) or mp (one process per rank; the "
+    "default when tensor_parallel_size > 1).",
+    "prefix_caching_hash_algo": "sha256 (the only one supported).",
+    "async_scheduling": "Refused when true: the CPU engine schedules synchronously.",
+    "compilation_config": "Refused unless empty: pagedlm runs the model eagerly.",
+}
+# Values accepted for options whose other values vLLM has but pagedlm refuses by name.
+_ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
+    "enforce_eager": (True,),
+    "prefix_caching_hash_algo": ("sha256",),
+    "async_scheduling": (None, False),
+    "distributed_executor_backend": (None, "uni", "mp"),
+    "compilation_config": (None, 0, {}),
 }
 
 # Options vLLM has that we accept only at their default value; anything else is rejected clearly.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
-    "data_parallel_size": 1,
     "quantization": None,
     "enable_lora": False,
     "speculative_config": None,
@@ -134,6 +150,16 @@ class EngineArgs:
                     f"{name}={getattr(self, name)!r} is not supported by pagedlm yet "
                     f"(only {default!r}); see the README's list of supported features."
                 )
+        for name, allowed in _ALLOWED_VALUES.items():
+            if getattr(self, name) not in allowed:
+                raise NotImplementedError(
+                    f"{name}={getattr(self, name)!r} is not supported by pagedlm (accepted: "
+                    f"{', '.join(map(repr, allowed))}). {_HELP[name] if name in _HELP else ''}"
+                )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
+            )
         if self.convert not in ("auto", "none", "embed", "classify"):
             raise ValueError(
                 f"convert must be auto, none, embed or classify, got {self.convert!r}."
@@ -252,7 +278,9 @@ class EngineArgs:
             block_size=self.block_size or 16,
             enable_prefix_caching=prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes
+            if self.kv_cache_memory_bytes is not None or envs.VLLM_CPU_KVCACHE_SPACE is None
+            else int(envs.VLLM_CPU_KVCACHE_SPACE * 2**30),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
         scheduler_config = SchedulerConfig(
@@ -263,7 +291,48 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
-        return VllmConfig(model_config, cache_config, scheduler_config, self.disable_log_stats)
+        parallel_config = self.create_parallel_config(hf_config)
+        return VllmConfig(
+            model_config,
+            cache_config,
+            scheduler_config,
+            parallel_config=parallel_config,
+            disable_log_stats=self.disable_log_stats,
+        )
+
+    def create_parallel_config(self, hf_config: Any) -> ParallelConfig:
+        """Check that the model shards over `tensor_parallel_size` ranks; pick the executor."""
+        if self.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size}: data-parallel engines are "
+                "separate processes in pagedlm; start one per rank with VLLM_DP_RANK / "
+                "VLLM_DP_SIZE set (see examples/data_parallel.py)."
+            )
+        tp = self.tensor_parallel_size
+        heads = getattr(hf_config, "num_attention_heads", 1)
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        if heads % tp:
+            raise ValueError(
+                f"Total number of attention heads ({heads}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            )
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(
+                f"Total number of key/value heads ({kv_heads}) and tensor parallel size ({tp}) "
+                "must divide one another (KV heads are replicated when fewer than ranks)."
+            )
+        backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+        if backend == "uni" and tp > 1:
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one rank; tensor_parallel_size > 1 "
+                "needs 'mp' (the default)."
+            )
+        return ParallelConfig(
+            tensor_parallel_size=tp,
+            data_parallel_size=max(1, envs.VLLM_DP_SIZE),
+            data_parallel_rank=envs.VLLM_DP_RANK,
+            distributed_executor_backend=backend,
+        )
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

@@ -38,6 +38,13 @@ class LLM(PoolingMixin):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("disable_log_stats", True)
+        dp_size = kwargs.get("data_parallel_size", 1)
+        if dp_size > 1 and kwargs.get("distributed_executor_backend") != "external_launcher":
+            raise ValueError(
+                f"LLM(data_parallel_size={dp_size}) is not supported for single-process usage "
+                "and may hang. Please use the explicit multi-process data-parallel example at "
+                "'examples/data_parallel.py'."
+            )
         if "swap_space" in kwargs:
             kwargs.pop("swap_space")
             logger.warning("swap_space is deprecated and ignored.")
@@ -78,6 +85,27 @@ class LLM(PoolingMixin):
 
     def __repr__(self) -> str:
         return f"LLM(model={self.model_config.model!r})"
+
+    # ----------------------------------------------------------------- workers
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """Ranks of this engine (tensor parallel), times the data-parallel size if asked."""
+        parallel = self.llm_engine.vllm_config.parallel_config
+        return parallel.world_size * (parallel.data_parallel_size if include_dp else 1)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a Worker method (by name) or `method(worker, *args, **kwargs)` on every rank;
+        one result per rank, in rank order."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """`[func(model) for each rank's model]`."""
+        return self.llm_engine.apply_model(func)
 
     # --------------------------------------------------------------- generation
     def generate(

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from pagedlm import envs
+
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=fast"]
@@ -66,7 +68,7 @@ def _cpu_flags() -> str:
 
 
 def _build() -> Path | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = envs.CC or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
     from pagedlm.model_loader.catalog import cache_dir
@@ -96,7 +98,7 @@ def _build() -> Path | None:
 @lru_cache(maxsize=1)
 def cpu_kernels() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (no compiler, or PAGEDLM_DISABLE_C_KERNELS=1)."""
-    if os.environ.get("PAGEDLM_DISABLE_C_KERNELS") == "1":
+    if envs.PAGEDLM_DISABLE_C_KERNELS:
         return None
     try:
         path = _build()

@@ -8,6 +8,7 @@ import os
 import psutil
 import torch
 
+from pagedlm import envs
 from pagedlm.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
@@ -17,6 +18,16 @@ _threads_set = False
 _PREPACK_BATCH_HINT = 64
 # Dense bf16 copies (for the small-batch kernel) are kept while the process stays under this.
 _DENSE_COPY_RAM_FRACTION = 0.4
+
+
+def usable_cores() -> int:
+    """Physical cores this process may run on (its affinity mask caps the count)."""
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    try:
+        cores = min(cores, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this OS
+        pass
+    return max(1, cores)
 
 
 class CpuPlatform(Platform):
@@ -29,23 +40,31 @@ class CpuPlatform(Platform):
         avx512_bf16 = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
         return bool(amx or avx512_bf16)
 
-    def setup_threads(self) -> None:
-        """One intra-op thread per physical core, set once; tokenizers stay single-threaded."""
+    def setup_threads(self, cpu_ids: list[int] | None = None) -> None:
+        """One intra-op thread per physical core, set once; tokenizers stay single-threaded.
+
+        A worker process of a multi-rank executor passes its `cpu_ids`: it is pinned to them
+        and runs one thread per id.
+        """
         global _threads_set
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if cpu_ids:
+            os.sched_setaffinity(0, cpu_ids)
+            torch.set_num_threads(len(cpu_ids))
+            _threads_set = True
+            logger.info("CPU worker pinned to CPUs %s", cpu_ids)
+            return
         if _threads_set:
             return
         _threads_set = True
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if "OMP_NUM_THREADS" in os.environ:
+        if envs.OMP_NUM_THREADS is not None:
             return
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        try:
-            affinity = len(os.sched_getaffinity(0))
-            cores = min(cores, affinity)
-        except AttributeError:
-            pass
-        torch.set_num_threads(max(1, cores))
-        logger.info("CPU platform: %d threads, bf16 native: %s", cores, self.supports_bf16())
+        torch.set_num_threads(usable_cores())
+        logger.info(
+            "CPU platform: %d threads, bf16 native: %s",
+            torch.get_num_threads(),
+            self.supports_bf16(),
+        )
 
     def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """oneDNN's blocked (AMX/VNNI) layout, so matmuls skip reordering the weight every call.
@@ -53,7 +72,7 @@ class CpuPlatform(Platform):
         bf16 needs native bf16; fp32 is packed too so the fp32 oracle tests cover this path.
         PAGEDLM_DISABLE_PREPACK=1 keeps dense weights.
         """
-        if os.environ.get("PAGEDLM_DISABLE_PREPACK") == "1":
+        if envs.PAGEDLM_DISABLE_PREPACK:
             return None
         native = weight.dtype == torch.float32 or (
             weight.dtype == torch.bfloat16 and self.supports_bf16()

@@ -1,7 +1,10 @@
-"""ModelRunner: owns the model, the KV cache tensors and the sampler; runs one step.
+"""ModelRunner: owns the model (this rank's shard), the KV cache tensors, the persistent batch
+and the sampler; applies each SchedulerOutput diff to its batch and runs one step.
 
 Logits are computed only for rows that are sampled, and for prompt rows of requests that
-asked for prompt logprobs.
+asked for prompt logprobs. Under tensor parallelism every rank runs the same forward and the
+same `compute_logits` calls (they are collectives); only the first rank gets whole logits,
+samples and pools, and its output is the step's output.
 """
 
 from __future__ import annotations
@@ -12,15 +15,16 @@ import torch
 
 from pagedlm.attention.backend import get_attn_backend
 from pagedlm.config import VllmConfig
-from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.kv_cache_manager import cdiv
 from pagedlm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedlm.distributed import get_tp_group
 from pagedlm.forward_context import set_forward_context
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.model_loader.loader import get_model
-from pagedlm.platforms import current_platform
-from pagedlm.worker.input_batch import StepInputs, build_step_inputs
+from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
+from pagedlm.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +32,11 @@ _PROMPT_LOGPROBS_CHUNK = 256  # rows of [chunk, vocab] fp32 logits at a time
 
 
 class ModelRunner:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
-        self.device = current_platform.device
-        current_platform.setup_threads()
+        self.device = device
+        self.is_driver = get_tp_group().is_first_rank
         self.model = get_model(self.model_config, self.device)
         self.attn_layers = [
             m for m in self.model.modules() if isinstance(m, Attention) and m.attn_type == "decoder"
@@ -41,6 +45,17 @@ class ModelRunner:
         Attention.backend = self.attn_backend
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.block_size = vllm_config.cache_config.block_size
+        self.input_batch = self._new_input_batch()
+
+    def _new_input_batch(self) -> InputBatch:
+        max_len = self.model_config.max_model_len
+        return InputBatch(
+            max_num_reqs=self.vllm_config.scheduler_config.max_num_seqs,
+            max_model_len=max_len,
+            max_num_blocks_per_req=cdiv(max_len, self.block_size),
+            vocab_size=self.model_config.vocab_size,
+        )
 
     # ---------------------------------------------------------------- KV cache
     def get_kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -56,6 +71,10 @@ class ModelRunner:
         Zeroed (not empty) because padded attention reads unwritten slots under a mask, and
         0 * NaN would poison the output; pages are mapped lazily, as blocks are first used.
         """
+        from pagedlm.platforms import current_platform
+
+        self.block_size = block_size
+        self.input_batch = self._new_input_batch()
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
@@ -65,10 +84,12 @@ class ModelRunner:
 
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager
-    ) -> ModelRunnerOutput:
-        inputs = build_step_inputs(scheduler_output, kv_cache_manager)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.apply(scheduler_output)
+        output = ModelRunnerOutput()
+        if not scheduler_output.scheduled_req_ids:
+            return output
+        inputs = build_step_inputs(self.input_batch, scheduler_output, self.block_size)
         device = self.device
         input_ids = torch.from_numpy(inputs.input_ids).to(device)
         positions = torch.from_numpy(inputs.positions).to(device)
@@ -80,29 +101,32 @@ class ModelRunner:
         with set_forward_context(attn_metadata):
             hidden_states = self.model(input_ids, positions, **kwargs)
 
-        output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden_states, output)
-        self._pool(inputs, hidden_states, output)
-        if not inputs.sampling_requests:
+        if self.is_driver:
+            self._pool(inputs, hidden_states, output)
+        if not inputs.sampling_states:
             return output
         logits_indices = torch.from_numpy(inputs.logits_indices).to(device)
         logits = self.model.compute_logits(hidden_states[logits_indices])
+        if logits is None:  # not the first tensor-parallel rank
+            return output
         metadata = build_sampling_metadata(
-            inputs.sampling_requests,
-            self.model_config.vocab_size,
+            self.input_batch,
+            inputs.sampling_rows,
+            inputs.sampling_states,
             device,
             self.model_config.logprobs_mode,
         )
         sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         lists = sampler_output.logprobs
-        for i, request in enumerate(inputs.sampling_requests):
-            rid = request.request_id
-            output.sampled_token_ids[rid] = [sampled[i]]
-            params = request.sampling_params
+        vocab = self.model_config.vocab_size
+        for i, state in enumerate(inputs.sampling_states):
+            output.sampled_token_ids[state.req_id] = [sampled[i]]
+            params = state.sampling_params
             if lists is not None and params is not None and params.logprobs is not None:
-                k = params.logprobs if params.logprobs != -1 else self.model_config.vocab_size
-                output.logprobs[rid] = LogprobsLists(
+                k = params.logprobs if params.logprobs != -1 else vocab
+                output.logprobs[state.req_id] = LogprobsLists(
                     [lists.logprob_token_ids[i][: k + 1]],
                     [lists.logprobs[i][: k + 1]],
                     [lists.sampled_token_ranks[i]],
@@ -111,41 +135,44 @@ class ModelRunner:
 
     def _pool(self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput):
         """Pooling requests are computed whole in one step: pool all their rows."""
-        for request in inputs.requests:
-            if request.pooling_params is None:
+        for state in inputs.states:
+            if state.pooling_params is None:
                 continue
-            start, num_rows, position = inputs.query_starts[request.request_id]
-            assert position == 0 and num_rows == request.num_tokens, "pooling needs whole prompts"
+            start, num_rows, position = inputs.query_starts[state.req_id]
+            assert position == 0 and num_rows == state.num_tokens, "pooling needs whole prompts"
             rows = hidden_states[start : start + num_rows]
-            output.pooler_output[request.request_id] = (
-                self.model.pooler(rows, request.pooling_params).float().cpu()
+            output.pooler_output[state.req_id] = (
+                self.model.pooler(rows, state.pooling_params).float().cpu()
             )
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput
     ) -> None:
         """Logprobs of prompt tokens 1..P-1 computed in this step's chunk of each request."""
-        for request in inputs.requests:
-            params = request.sampling_params
+        for state in inputs.states:
+            params = state.sampling_params
             if params is None or params.prompt_logprobs is None:
                 continue
-            row_start, num_rows, position = inputs.query_starts[request.request_id]
+            row_start, num_rows, position = inputs.query_starts[state.req_id]
             # a row at position p predicts prompt token p + 1
-            num_rows = min(num_rows, request.num_prompt_tokens - 1 - position)
+            num_rows = min(num_rows, state.num_prompt_tokens - 1 - position)
             if num_rows <= 0:
                 continue
             k = params.prompt_logprobs
             targets = torch.tensor(
-                request.prompt_token_ids[position + 1 : position + 1 + num_rows],
+                state.prompt_token_ids[position + 1 : position + 1 + num_rows],
                 device=hidden_states.device,
             )
             merged = LogprobsLists([], [], [])
             for s in range(0, num_rows, _PROMPT_LOGPROBS_CHUNK):
                 e = min(num_rows, s + _PROMPT_LOGPROBS_CHUNK)
                 logits = self.model.compute_logits(hidden_states[row_start + s : row_start + e])
+                if logits is None:  # not the first tensor-parallel rank
+                    continue
                 logprobs = logits.float().log_softmax(-1)
                 part = gather_logprobs(logprobs, k, targets[s:e])
                 merged.logprob_token_ids += part.logprob_token_ids
                 merged.logprobs += part.logprobs
                 merged.sampled_token_ranks += part.sampled_token_ranks
-            output.prompt_logprobs[request.request_id] = merged
+            if self.is_driver:
+                output.prompt_logprobs[state.req_id] = merged
