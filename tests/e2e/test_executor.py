@@ -5,6 +5,7 @@ no worker process outlives its engine (del, exit, Ctrl-C, SIGKILL)."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -183,3 +184,38 @@ def test_cpu_binding(monkeypatch) -> None:
 def test_data_parallel_size_is_refused_in_one_process(tiny_qwen2) -> None:
     with pytest.raises(ValueError, match="not supported for single-process usage"):
         LLM(str(tiny_qwen2), data_parallel_size=2)
+
+
+def test_data_parallel_example_equals_one_engine(tiny_qwen2, tmp_path) -> None:
+    out = tmp_path / "dp.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/data_parallel.py"),
+            "--model",
+            str(tiny_qwen2),
+            "--dp-size",
+            "2",
+            "--max-model-len",
+            "128",
+            "--max-tokens",
+            "8",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "DP rank 0: 20 prompts" in result.stdout and "DP rank 1: 20 prompts" in result.stdout
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from data_parallel import PROMPTS
+    finally:
+        sys.path.pop(0)
+    llm = LLM(str(tiny_qwen2), max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    want = {str(i): o.outputs[0].text for i, o in enumerate(llm.generate(PROMPTS, params))}
+    assert json.loads(out.read_text()) == want
