@@ -177,11 +177,62 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+_SPEC_METHODS = ("ngram",)  # "draft_model": not yet (refused by name)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: propose `num_speculative_tokens` draft tokens per decode, verify
+    them in one forward of the target model, keep the longest accepted prefix plus one token.
+
+    `method="ngram"` looks the drafts up in the request's own tokens (prompt lookup: the
+    latest earlier occurrence of its last `prompt_lookup_max`..`prompt_lookup_min` tokens);
+    `"draft_model"` runs the smaller `model` (same tokenizer).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    @staticmethod
+    def from_dict(config: dict[str, Any]) -> SpeculativeConfig:
+        config = dict(config)
+        method = config.pop("method", None) or ("draft_model" if config.get("model") else None)
+        if method not in _SPEC_METHODS:
+            raise NotImplementedError(
+                f"speculative_config method={method!r} is not supported by pagedlm (supported: "
+                f"{', '.join(_SPEC_METHODS)})."
+            )
+        known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        unknown = set(config) - known
+        if unknown:
+            raise NotImplementedError(
+                f"speculative_config keys {sorted(unknown)} are not supported by pagedlm "
+                f"(supported: method, {', '.join(sorted(known))})."
+            )
+        spec = SpeculativeConfig(method=method, **config)
+        if spec.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be at least 1, got {spec.num_speculative_tokens}."
+            )
+        if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{spec.prompt_lookup_min} and {spec.prompt_lookup_max}."
+            )
+        if method == "draft_model" and not spec.model:
+            raise ValueError("speculative_config method='draft_model' needs a 'model'.")
+        return spec
+
+
 @dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
     disable_log_stats: bool = False
     device: str = field(default_factory=lambda: envs.PAGEDLM_DEVICE)

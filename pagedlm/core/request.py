@@ -76,6 +76,7 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []  # drafts to verify next step (speculative decoding)
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, -1 = not yet
         self.num_preemptions = 0
         self.block_size = block_size
@@ -96,6 +97,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -59,6 +59,9 @@ class SchedulerOutput:
     scheduled_req_ids: list[str] = field(default_factory=list)  # scheduling order
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    # Draft tokens to verify this step (speculative decoding): they follow the request's last
+    # token, so num_scheduled_tokens = (tokens to compute) + len(drafts).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
 
@@ -95,9 +98,14 @@ class EngineCoreOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per request that produced something this step (sampled a token or prompt logprobs)."""
+    """Per request that produced something this step (sampled a token or prompt logprobs).
+
+    With speculative decoding a request may get several tokens: its accepted drafts, then one
+    token of the target model. `spec_token_ids` are the drafts proposed for the next step.
+    """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     pooler_output: dict[str, Any] = field(default_factory=dict)

@@ -14,6 +14,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
@@ -24,6 +25,36 @@ from pagedlm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters since the last `reset()` (for the vllm:spec_decode_*
+    metrics): drafts verified, draft tokens, accepted tokens, accepted tokens per position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+    def reset(self) -> SpecDecodingStats:
+        out = SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
+        self.__init__()
+        return out
 
 
 class RequestQueue:
@@ -84,6 +115,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -124,10 +156,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens_with_spec - request.num_computed_tokens
             if threshold > 0:
                 num_new = min(num_new, threshold)
-            num_new = min(num_new, budget)
+            # drafts never reach past the last position the model allows
+            num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
                 continue
@@ -148,6 +181,11 @@ class Scheduler:
             else:
                 scheduled.append(request)
                 out.num_scheduled_tokens[request.request_id] = num_new
+                num_drafts = request.num_computed_tokens + num_new - request.num_tokens
+                if num_drafts > 0:
+                    drafts = request.spec_token_ids[:num_drafts]
+                    out.scheduled_spec_decode_tokens[request.request_id] = drafts
+                request.spec_token_ids = []
                 budget -= num_new
                 i += 1
             # When the request preempted itself (priority policy: it was the lowest), index i
@@ -243,6 +281,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.resumed_from_preemption = request.sent_to_workers
+        request.spec_token_ids = []
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
@@ -261,12 +300,17 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(rid)
             pooler_output = runner_output.pooler_output.get(rid)
             stopped = False
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts and new_token_ids:
+                # rejected drafts' KV is recomputed: roll the computed count back over them
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_decoding_stats.observe(len(drafts), num_accepted)
             if new_token_ids:
-                request.append_output_token_ids(new_token_ids)
+                new_token_ids, stopped = self._append_and_check_stop(request, new_token_ids)
                 if not request.first_token_ts:
                     request.first_token_ts = now
                 request.last_token_ts = now
-                stopped = self._check_stop(request)
             elif pooler_output is not None:
                 request.status = RequestStatus.FINISHED_STOPPED
                 stopped = True
@@ -274,6 +318,8 @@ class Scheduler:
             if stopped:
                 self.running.remove(request)
                 self._free_request(request)
+            else:
+                request.spec_token_ids = runner_output.spec_token_ids.get(rid, [])
             if new_token_ids or prompt_logprobs is not None or stopped:
                 outputs.append(
                     EngineCoreOutput(
@@ -289,6 +335,17 @@ class Scheduler:
                     )
                 )
         return outputs
+
+    def _append_and_check_stop(
+        self, request: Request, token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """Append tokens one at a time, checking the stop conditions after each: a request may
+        get several (speculative decoding) and must stop at the first that ends it."""
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token_ids([token_id])
+            if self._check_stop(request):
+                return token_ids[: i + 1], True
+        return token_ids, False
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

@@ -22,6 +22,7 @@ from pagedlm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
     derive_max_model_len,
     resolve_dtype,
@@ -60,6 +61,8 @@ _HELP: dict[str, str] = {
     "distributed_executor_backend": "uni (in this process) or mp (one process per rank; the "
     "default when tensor_parallel_size > 1).",
     "prefix_caching_hash_algo": "sha256 (the only one supported).",
+    "speculative_config": 'JSON dict: {"method": "ngram", "num_speculative_tokens": 3, '
+    '"prompt_lookup_max": 4} or {"method": "draft_model", "model": ..., ...}.',
     "async_scheduling": "Refused when true: the CPU engine schedules synchronously.",
     "compilation_config": "Refused unless empty: pagedlm runs the model eagerly.",
 }
@@ -77,7 +80,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "pipeline_parallel_size": 1,
     "quantization": None,
     "enable_lora": False,
-    "speculative_config": None,
     "cpu_offload_gb": 0,
     "enable_prompt_embeds": False,
     "kv_cache_dtype": "auto",
@@ -292,11 +294,17 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         parallel_config = self.create_parallel_config(hf_config)
+        speculative_config = None
+        if self.speculative_config:
+            if pooling:
+                raise ValueError("speculative decoding needs a generative model")
+            speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         return VllmConfig(
             model_config,
             cache_config,
             scheduler_config,
             parallel_config=parallel_config,
+            speculative_config=speculative_config,
             disable_log_stats=self.disable_log_stats,
         )
 

@@ -31,8 +31,11 @@ class EngineCoreRequest:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any, speculative: bool = False
+    ) -> None:
         self.model_config = model_config
+        self.speculative = speculative
         self.tokenizer = tokenizer
         self.generation_config = model_config.get_hf_generation_config()
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer else None
@@ -196,6 +199,11 @@ class InputProcessor:
         params.verify(
             max_logprobs=self.model_config.max_logprobs, vocab_size=self.model_config.vocab_size
         )
+        if self.speculative and (params.min_p > 0.0 or params.logit_bias):
+            raise ValueError(
+                "The min_p and logit_bias sampling parameters are not yet supported with "
+                "speculative decoding."
+            )
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - prompt_len

@@ -53,7 +53,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             vllm_config.scheduler_config, self.cache_config, kv_cache_manager
         )
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.model_config, self.tokenizer, vllm_config.speculative_config is not None
+        )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self.stat_logger = PrometheusStatLogger(self.model_config.model) if log_stats else None
         self._num_preemptions_logged = 0
@@ -259,6 +261,9 @@ class LLMEngine:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=preemptions,
+            spec_decoding=self.scheduler.spec_decoding_stats.reset()
+            if self.vllm_config.speculative_config is not None
+            else None,
         )
 
     def get_metrics(self) -> list[Metric]:

@@ -161,6 +161,14 @@ class Sampler:
         if md.all_greedy:
             return greedy
         is_greedy = md.temperature < _SAMPLING_EPS
+        random = self.exponential_race(self.filtered_probs(logits, md), md.generators)
+        return torch.where(is_greedy, greedy, random)
+
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from: temperature, min_p, top-k, top-p, softmax
+        (greedy rows: temperature 1)."""
+        is_greedy = md.temperature < _SAMPLING_EPS
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature.unsqueeze(1)
         if md.min_p is not None:
@@ -168,9 +176,12 @@ class Sampler:
             threshold = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(-1)
-        random = self.exponential_race(probs, md.generators)
-        return torch.where(is_greedy, greedy, random)
+        return logits.softmax(-1)
+
+    def target_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """[rows, vocab] fp32: what `__call__` would sample each random row from."""
+        logits = self.apply_penalties(self.apply_logits_processors(logits.float(), md), md)
+        return self.filtered_probs(logits, md)
 
     @staticmethod
     def exponential_race(

@@ -205,6 +205,11 @@ class InputBatch:
                 self.append_block_ids(row, new_blocks)
         for req_id, n in so.num_computed_tokens.items():
             self.num_computed_tokens[self.req_id_to_index[req_id]] = n
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # drafts sit after the last token for this step only (num_tokens excludes them)
+            row = self.req_id_to_index[req_id]
+            start = int(self.num_tokens[row])
+            self.token_ids[row, start : start + len(drafts)] = drafts
 
     def append_token_ids(self, row: int, token_ids: list[int]) -> None:
         start = int(self.num_tokens[row])

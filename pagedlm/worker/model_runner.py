@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from pagedlm.attention.backend import get_attn_backend
@@ -22,7 +23,9 @@ from pagedlm.forward_context import set_forward_context
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.model_loader.loader import get_model
-from pagedlm.worker.input_batch import InputBatch
+from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
+from pagedlm.spec_decode.rejection_sampler import verify_greedy, verify_random
+from pagedlm.worker.input_batch import CachedRequestState, InputBatch
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
 from pagedlm.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -47,6 +50,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = vllm_config.cache_config.block_size
         self.input_batch = self._new_input_batch()
+        spec = vllm_config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
 
     def _new_input_batch(self) -> InputBatch:
         max_len = self.model_config.max_model_len
@@ -110,28 +115,88 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[logits_indices])
         if logits is None:  # not the first tensor-parallel rank
             return output
+        if (inputs.num_logits > 1).any():
+            self._sample_with_drafts(inputs, logits, scheduler_output, output)
+        else:
+            self._sample(inputs, logits, output)
+        if self.proposer is not None:
+            self._propose(inputs, output)
+        return output
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput):
         metadata = build_sampling_metadata(
             self.input_batch,
             inputs.sampling_rows,
             inputs.sampling_states,
-            device,
+            self.device,
             self.model_config.logprobs_mode,
         )
         sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         lists = sampler_output.logprobs
-        vocab = self.model_config.vocab_size
         for i, state in enumerate(inputs.sampling_states):
             output.sampled_token_ids[state.req_id] = [sampled[i]]
-            params = state.sampling_params
-            if lists is not None and params is not None and params.logprobs is not None:
-                k = params.logprobs if params.logprobs != -1 else vocab
+            k = self._num_logprobs(state)
+            if lists is not None and k is not None:
                 output.logprobs[state.req_id] = LogprobsLists(
                     [lists.logprob_token_ids[i][: k + 1]],
                     [lists.logprobs[i][: k + 1]],
                     [lists.sampled_token_ranks[i]],
                 )
-        return output
+
+    def _num_logprobs(self, state: CachedRequestState) -> int | None:
+        params = state.sampling_params
+        if params is None or params.logprobs is None:
+            return None
+        return params.logprobs if params.logprobs != -1 else self.model_config.vocab_size
+
+    def _sample_with_drafts(
+        self,
+        inputs: StepInputs,
+        logits: torch.Tensor,  # [num_logits.sum(), vocab]: each request's rows in a run
+        so: SchedulerOutput,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Requests with drafts keep the accepted ones plus one target token (rejection
+        sampling); the others sample as usual. Each row is sampled with its request's params."""
+        counts = inputs.num_logits
+        states = [s for s, c in zip(inputs.sampling_states, counts.tolist()) for _ in range(c)]
+        rows = np.repeat(inputs.sampling_rows, counts)
+        mode = self.model_config.logprobs_mode
+        metadata = build_sampling_metadata(self.input_batch, rows, states, self.device, mode)
+        sampled = self.sampler(logits, metadata).sampled_token_ids.tolist()
+        probs = None
+        start = 0
+        for state, count in zip(inputs.sampling_states, counts.tolist()):
+            end = start + count
+            drafts = so.scheduled_spec_decode_tokens.get(state.req_id, [])
+            if count == 1:
+                tokens = [sampled[start]]
+            elif self.input_batch.temperature[self.input_batch.req_id_to_index[state.req_id]] == 0:
+                tokens = verify_greedy(sampled[start:end], drafts)
+            else:
+                if probs is None:
+                    probs = self.sampler.target_probs(logits, metadata)
+                tokens = verify_random(probs[start:end], drafts, state.generator)
+            output.sampled_token_ids[state.req_id] = tokens
+            k = self._num_logprobs(state)
+            if k is not None:
+                raw = logits[start : start + len(tokens)].float()
+                raw = raw if mode == "raw_logits" else raw.log_softmax(-1)
+                output.logprobs[state.req_id] = gather_logprobs(raw, k, torch.tensor(tokens))
+            start = end
+
+    def _propose(self, inputs: StepInputs, output: ModelRunnerOutput) -> None:
+        """Drafts for the next step, from each request's tokens including this step's."""
+        batch = self.input_batch
+        for row, state in zip(inputs.sampling_rows.tolist(), inputs.sampling_states):
+            new = output.sampled_token_ids.get(state.req_id)
+            if not new or not can_speculate(state):
+                continue
+            context = np.concatenate([batch.token_ids[row, : batch.num_tokens[row]], new])
+            drafts = self.proposer.propose(context)
+            if drafts:
+                output.spec_token_ids[state.req_id] = drafts
 
     def _pool(self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput):
         """Pooling requests are computed whole in one step: pool all their rows."""

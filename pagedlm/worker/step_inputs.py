@@ -1,8 +1,10 @@
 """One step's model inputs, gathered with numpy from the persistent batch (no loop per token).
 
 Batch order: requests with one new token (decodes) first, then prefill chunks; the attention
-backend relies on it. `logits_indices[i]` is the flat token row whose logits sample request
-`sampling_rows[i]` of the persistent batch.
+backend relies on it. A request samples when the step reaches its last token; with
+speculative drafts it needs the logits of its last `num_logits[i]` = drafts + 1 rows, so
+`logits_indices` lists, request after request, `num_logits[i]` consecutive token rows for
+request `sampling_rows[i]` of the persistent batch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class StepInputs:
     attn: CommonAttentionMetadata
     sampling_rows: np.ndarray  # persistent rows of the requests sampled this step
     sampling_states: list[CachedRequestState]  # their states, same order
-    logits_indices: np.ndarray  # [len(sampling_rows)] int64
+    logits_indices: np.ndarray  # [num_logits.sum()] int64
+    num_logits: np.ndarray  # [len(sampling_rows)] logits rows per sampled request
     query_starts: dict[str, tuple[int, int, int]]  # req_id -> (row start, num tokens, position)
 
 
@@ -58,9 +61,16 @@ def build_step_inputs(
     )
     num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_reqs
     states = [batch.states[r] for r in rows.tolist()]
-    # A request samples when this step reaches its last token (not pooling requests).
-    sampling = (seq_lens == batch.num_tokens[rows]) & np.fromiter(
+    # A request samples when this step reaches its last token (not pooling requests); any
+    # positions past it hold draft tokens to verify.
+    num_drafts = seq_lens - batch.num_tokens[rows]
+    sampling = (num_drafts >= 0) & np.fromiter(
         (s.sampling_params is not None for s in states), dtype=bool, count=num_reqs
+    )
+    num_logits = num_drafts[sampling] + 1
+    first_logit = query_start_loc[1:][sampling] - num_logits
+    within = np.arange(int(num_logits.sum())) - np.repeat(
+        np.cumsum(num_logits) - num_logits, num_logits
     )
     token_type_ids = None
     if any(s.token_type_ids is not None for s in states):
@@ -87,7 +97,8 @@ def build_step_inputs(
         ),
         sampling_rows=rows[sampling],
         sampling_states=[s for s, sampled in zip(states, sampling.tolist()) if sampled],
-        logits_indices=query_start_loc[1:][sampling] - 1,
+        logits_indices=np.repeat(first_logit, num_logits) + within,
+        num_logits=num_logits,
         query_starts={
             s.req_id: (int(query_start_loc[i]), int(query_lens[i]), int(starts[i]))
             for i, s in enumerate(states)
