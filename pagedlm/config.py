@@ -228,11 +228,97 @@ class SpeculativeConfig:
 
 
 @dataclass
+class WeightTransferConfig:
+    """How a trainer's weights reach the workers: "ipc" (shared-memory tensors, one machine)
+    or "gloo" (a torch.distributed group between the trainer and every worker)."""
+
+    backend: str = "ipc"
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("ipc", "gloo"):
+            hint = " (NCCL needs CUDA; on CPU use 'gloo')" if self.backend == "nccl" else ""
+            raise ValueError(
+                f"WeightTransferConfig(backend={self.backend!r}) is not available{hint}; "
+                "use 'ipc' or 'gloo'."
+            )
+
+
+@dataclass
+class ProfilerConfig:
+    """vLLM's profiler options; only the torch profiler exists on CPU.
+
+    `torch_profiler_dir` set (here or by VLLM_TORCH_PROFILER_DIR) with `profiler=None`
+    selects "torch". Traces are Chrome trace JSON (gzipped when `torch_profiler_use_gzip`).
+    """
+
+    profiler: str | None = None
+    torch_profiler_dir: str = ""
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    torch_profiler_dump_cuda_time_total: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    capture_torch_profiler: bool = False
+    detailed_trace_annotation: bool = False
+    ignore_frontend: bool = False
+    delay_iterations: int = 0
+    max_iterations: int = 0
+    warmup_iterations: int = 0
+    active_iterations: int = 5
+    wait_iterations: int = 0
+
+    def __post_init__(self) -> None:
+        if self.profiler is None and self.torch_profiler_dir:
+            self.profiler = "torch"
+        if self.profiler not in (None, "torch"):
+            raise ValueError(
+                f"ProfilerConfig(profiler={self.profiler!r}) is not available on CPU; use 'torch'."
+            )
+        if self.profiler == "torch" and not self.torch_profiler_dir:
+            raise ValueError("torch_profiler_dir must be set when profiler is 'torch'")
+        for name in ("delay_iterations", "max_iterations", "warmup_iterations"):
+            if getattr(self, name):
+                raise NotImplementedError(
+                    f"ProfilerConfig.{name} is not supported by pagedlm yet (only 0): the "
+                    "profile covers everything between start_profile() and stop_profile()."
+                )
+        if self.capture_torch_profiler:
+            raise NotImplementedError(
+                "ProfilerConfig.capture_torch_profiler needs CUDA graphs (not on CPU)."
+            )
+        if self.torch_profiler_dir and "://" not in self.torch_profiler_dir:
+            self.torch_profiler_dir = str(Path(self.torch_profiler_dir).expanduser().absolute())
+
+    @classmethod
+    def from_any(cls, value: ProfilerConfig | dict[str, Any] | None) -> ProfilerConfig:
+        """A ProfilerConfig from one, a dict, or None (VLLM_TORCH_PROFILER_* variables)."""
+        if isinstance(value, ProfilerConfig):
+            return value
+        if value is not None:
+            try:
+                return cls(**value)
+            except TypeError as e:
+                raise ValueError(f"Invalid profiler_config: {e}") from e
+        return cls(
+            torch_profiler_dir=envs.VLLM_TORCH_PROFILER_DIR or "",
+            torch_profiler_with_stack=envs.VLLM_TORCH_PROFILER_WITH_STACK,
+            torch_profiler_record_shapes=envs.VLLM_TORCH_PROFILER_RECORD_SHAPES,
+            torch_profiler_with_memory=envs.VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY,
+            torch_profiler_with_flops=envs.VLLM_TORCH_PROFILER_WITH_FLOPS,
+            torch_profiler_use_gzip=envs.VLLM_TORCH_PROFILER_USE_GZIP,
+        )
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
+    weight_transfer_config: WeightTransferConfig | None = None
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    enable_sleep_mode: bool = False
     disable_log_stats: bool = False
     device: str = field(default_factory=lambda: envs.PAGEDLM_DEVICE)

@@ -71,6 +71,20 @@ _VARS = [
         "Seconds the multiprocess executor waits for its workers to load the model.",
     ),
 ]
+_VARS += [
+    EnvVar(
+        "VLLM_TORCH_PROFILER_DIR",
+        None,
+        str,
+        "Directory for torch profiler traces of start_profile()/stop_profile() (used when "
+        "profiler_config is not given).",
+    ),
+    EnvVar("VLLM_TORCH_PROFILER_WITH_STACK", True, _flag, "Record Python stacks in traces."),
+    EnvVar("VLLM_TORCH_PROFILER_RECORD_SHAPES", False, _flag, "Record operator input shapes."),
+    EnvVar("VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY", False, _flag, "Record memory use."),
+    EnvVar("VLLM_TORCH_PROFILER_WITH_FLOPS", False, _flag, "Estimate FLOPs of operators."),
+    EnvVar("VLLM_TORCH_PROFILER_USE_GZIP", True, _flag, "Write traces as .json.gz."),
+]
 ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
 
 

@@ -141,6 +141,12 @@ def _make_metrics() -> dict[str, Any]:
     _metrics[_SPEC_PER_POS] = c(
         _SPEC_PER_POS, "Accepted tokens, per draft token position.", _LABELS + ["position"]
     )
+    _metrics["vllm:engine_sleep_state"] = g(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+        "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        _LABELS + ["sleep_state"],
+    )
     return _metrics
 
 
@@ -150,7 +156,7 @@ _SPEC_COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
 }
 _SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-_LABELED = ("vllm:request_success", _SPEC_PER_POS)
+_LABELED = ("vllm:request_success", _SPEC_PER_POS, "vllm:engine_sleep_state")
 
 
 @dataclass
@@ -201,6 +207,13 @@ class PrometheusStatLogger:
         }
         self._success = metrics["vllm:request_success"]
         self._per_pos = metrics[_SPEC_PER_POS]
+        self._sleep_state = metrics["vllm:engine_sleep_state"]
+
+    def record_sleep_state(self, awake: bool, weights_offloaded: bool, discard_all: bool) -> None:
+        states = {"awake": awake, "weights_offloaded": weights_offloaded}
+        states["discard_all"] = discard_all
+        for state, value in states.items():
+            self._sleep_state.labels(**self._labels, sleep_state=state).set(int(value))
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         m = self.m

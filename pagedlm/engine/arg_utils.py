@@ -21,9 +21,11 @@ from pagedlm.config import (
     CacheConfig,
     ModelConfig,
     ParallelConfig,
+    ProfilerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
+    WeightTransferConfig,
     derive_max_model_len,
     resolve_dtype,
 )
@@ -65,6 +67,12 @@ _HELP: dict[str, str] = {
     '"prompt_lookup_max": 4} or {"method": "draft_model", "model": ..., ...}.',
     "async_scheduling": "Refused when true: the CPU engine schedules synchronously.",
     "compilation_config": "Refused unless empty: pagedlm runs the model eagerly.",
+    "enable_sleep_mode": "Allow LLM.sleep(level=1|2): free the KV cache (and weights).",
+    "weight_transfer_config": 'JSON dict or WeightTransferConfig: {"backend": "ipc"|"gloo"} '
+    "for RL weight updates (init_weight_transfer_engine / update_weights).",
+    "profiler_config": "JSON dict or ProfilerConfig (vLLM's fields): torch_profiler_dir, "
+    "torch_profiler_record_shapes, torch_profiler_with_stack, ...",
+    "logprobs_mode": "raw_logprobs, raw_logits, processed_logprobs or processed_logits.",
 }
 # Values accepted for options whose other values vLLM has but pagedlm refuses by name.
 _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
@@ -144,6 +152,9 @@ class EngineArgs:
     async_scheduling: bool | None = None
     distributed_executor_backend: str | None = None
     compilation_config: Any = None
+    enable_sleep_mode: bool = False
+    weight_transfer_config: Any = None
+    profiler_config: Any = None
 
     def __post_init__(self) -> None:
         for name, default in _UNSUPPORTED_DEFAULTS.items():
@@ -172,10 +183,10 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
             )
-        if self.logprobs_mode not in ("raw_logprobs", "raw_logits"):
-            raise NotImplementedError(
-                f"logprobs_mode={self.logprobs_mode!r} is not supported yet (raw_logprobs, "
-                "raw_logits)."
+        modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+        if self.logprobs_mode not in modes:
+            raise ValueError(
+                f"logprobs_mode={self.logprobs_mode!r} is not one of {', '.join(modes)}."
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
@@ -306,7 +317,24 @@ class EngineArgs:
             parallel_config=parallel_config,
             speculative_config=speculative_config,
             disable_log_stats=self.disable_log_stats,
+            weight_transfer_config=self._weight_transfer_config(),
+            profiler_config=ProfilerConfig.from_any(self.profiler_config),
+            enable_sleep_mode=self.enable_sleep_mode,
         )
+
+    def _weight_transfer_config(self) -> WeightTransferConfig | None:
+        value = self.weight_transfer_config
+        if value is None or isinstance(value, WeightTransferConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                "weight_transfer_config must be a WeightTransferConfig or a dict like "
+                f"{{'backend': 'gloo'}}, got {type(value).__name__}."
+            )
+        try:
+            return WeightTransferConfig(**value)
+        except TypeError as e:
+            raise ValueError(f"Invalid weight_transfer_config: {e}") from e
 
     def create_parallel_config(self, hf_config: Any) -> ParallelConfig:
         """Check that the model shards over `tensor_parallel_size` ranks; pick the executor."""

@@ -17,6 +17,7 @@ from pagedlm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.control import EngineControlMixin
 from pagedlm.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedlm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedlm.engine.tokenizer import load_tokenizer
@@ -35,7 +36,7 @@ from pagedlm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineControlMixin):
     def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
@@ -59,6 +60,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self.stat_logger = PrometheusStatLogger(self.model_config.model) if log_stats else None
         self._num_preemptions_logged = 0
+        self._init_control()
 
     @classmethod
     def from_engine_args(
@@ -230,8 +232,10 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        self.check_awake()
         if not self.scheduler.has_unfinished_requests():
             return []
+        self.sync_weights_generation()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled_req_ids:
             raise RuntimeError(
@@ -289,6 +293,7 @@ class LLMEngine:
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
+        self._note_control_rpc()
         return self.model_executor.collective_rpc(method, timeout, args, kwargs)
 
     def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.entrypoints.chat_utils import render_conversations
+from pagedlm.entrypoints.control import ControlMixin
 from pagedlm.entrypoints.pooling import PoolingMixin
 from pagedlm.inputs import prompt_to_seq
 from pagedlm.outputs import PoolingRequestOutput, RequestOutput
@@ -41,7 +42,7 @@ def _speculative_aliases(kwargs: dict[str, Any]) -> None:
         kwargs["speculative_config"] = {**(kwargs.get("speculative_config") or {}), **given}
 
 
-class LLM(PoolingMixin):
+class LLM(PoolingMixin, ControlMixin):
     """An offline engine: `LLM(model, **engine_args)`; every option is keyword-only."""
 
     def __init__(
@@ -137,6 +138,7 @@ class LLM(PoolingMixin):
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         self._check_generate("LLM.generate()")
+        self.llm_engine.check_awake()
         self._add_requests(
             prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
         )
@@ -309,6 +311,9 @@ class LLM(PoolingMixin):
     ) -> list[Any]:
         engine = self.llm_engine
         output_type = output_type or (RequestOutput, PoolingRequestOutput)
+        stashed = engine.take_stashed_outputs()  # finished while sleep(mode="wait") drained
+        if engine.has_unfinished_requests():
+            engine.check_awake()
         pbar = None
         if use_tqdm:
             tqdm_func = use_tqdm if callable(use_tqdm) else tqdm
@@ -318,7 +323,7 @@ class LLM(PoolingMixin):
                 dynamic_ncols=True,
                 postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s",
             )
-        outputs: list[Any] = []
+        outputs: list[Any] = list(stashed)
         total_in = total_out = 0
         try:
             while engine.has_unfinished_requests():

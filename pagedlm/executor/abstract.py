@@ -17,6 +17,8 @@ from pagedlm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
+    in_process = False  # the workers live in this process (their state is cheap to read)
+
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.parallel_config = vllm_config.parallel_config
@@ -50,6 +52,10 @@ class Executor(ABC):
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.collective_rpc("initialize_kv_cache", args=(num_blocks, block_size))
+
+    def get_weights_generation(self) -> int:
+        """How many weight updates the workers have committed (rank 0's count)."""
+        return self.collective_rpc("get_weights_generation")[0]
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=10)

@@ -12,11 +12,16 @@ from pagedlm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    in_process = True
+
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         self.driver_worker = Worker(vllm_config, rank=0)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
+
+    def get_weights_generation(self) -> int:
+        return self.driver_worker.get_weights_generation()
 
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives and dies with this process."""

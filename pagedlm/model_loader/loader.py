@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from pagedlm.config import ModelConfig
+from pagedlm.model_loader.reload import finalize_weights
 from pagedlm.model_loader.safetensors_loader import iterate_safetensors
 from pagedlm.models.registry import ModelRegistry
 
@@ -27,6 +29,15 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
         torch.set_default_dtype(old_dtype)
 
 
+def iterate_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (name, tensor) pairs (GGUF dequantized, or safetensors)."""
+    if model_config.gguf_file is not None:
+        from pagedlm.model_loader.gguf_loader import iterate_gguf
+
+        return iterate_gguf(model_config.gguf_file, model_config.hf_config)
+    return iterate_safetensors(model_config.model_path)
+
+
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     start = time.perf_counter()
     model_cls, _, _ = ModelRegistry.resolve_model_cls(
@@ -39,15 +50,9 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         generator = torch.Generator().manual_seed(model_config.seed or 0)
         for param in model.parameters():
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    elif model_config.gguf_file is not None:
-        from pagedlm.model_loader.gguf_loader import iterate_gguf
-
-        model.load_weights(iterate_gguf(model_config.gguf_file, model_config.hf_config))
     else:
-        model.load_weights(iterate_safetensors(model_config.model_path))
-    for module in model.modules():
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
+        model.load_weights(iterate_checkpoint(model_config))
+    finalize_weights(model)  # prepacks; from now on load_weights is incremental
     model.eval()
     logger.info(
         "Loaded %s (%s) in %.1fs",

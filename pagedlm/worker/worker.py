@@ -14,12 +14,13 @@ from pagedlm.config import VllmConfig
 from pagedlm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.distributed import init_distributed_environment
 from pagedlm.platforms import current_platform
+from pagedlm.worker.control import WorkerControlMixin
 from pagedlm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-class Worker:
+class Worker(WorkerControlMixin):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -32,6 +33,9 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.cpu_ids = cpu_ids
         self.model_runner: ModelRunner | None = None
+        self.weight_transfer_engine: Any = None
+        self._weight_update_active = False
+        self._profiler: Any = None
 
     @property
     def is_driver_worker(self) -> bool:
