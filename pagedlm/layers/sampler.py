@@ -6,6 +6,12 @@
 4. greedy rows take the argmax; random rows: temperature, min_p, top-k, top-p, then an
    exponential race (argmax of p / Exp(1) noise), drawn from a per-request generator for seeded
    requests so their tokens do not depend on the rest of the batch.
+
+`logprobs_mode` "processed_logits" / "processed_logprobs" report the logits the token was
+drawn from (after steps 2-4; -inf where masked), or their log_softmax, as vLLM does: when every
+row is greedy that is after the penalties; otherwise greedy rows of the batch count with
+temperature 1 and their own min_p / top-k / top-p. Prompt logprobs stay raw in every mode (as
+in vLLM's runner).
 """
 
 from __future__ import annotations
@@ -99,11 +105,14 @@ class Sampler:
             return SamplerOutput(greedy_sample(logits), None)
         logits = logits.float()
         raw = None
-        if md.max_num_logprobs is not None:
-            raw = logits if md.logprobs_mode == "raw_logits" else logits.log_softmax(-1)
+        mode = md.logprobs_mode
+        if md.max_num_logprobs is not None and not mode.startswith("processed"):
+            raw = logits if mode == "raw_logits" else logits.log_softmax(-1)
         logits = self.apply_logits_processors(logits, md)
         logits = self.apply_penalties(logits, md)
-        sampled = self.sample(logits, md)
+        sampled, processed = self.sample(logits, md)
+        if md.max_num_logprobs is not None and mode.startswith("processed"):
+            raw = processed if mode == "processed_logits" else processed.log_softmax(-1)
         lists = None
         if raw is not None:
             lists = gather_logprobs(raw, md.max_num_logprobs, sampled)
@@ -156,18 +165,22 @@ class Sampler:
         logits = logits - md.presence_penalties.unsqueeze(1) * (output_counts > 0)
         return logits
 
-    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled ids and the logits they were drawn from (processed)."""
         greedy = greedy_sample(logits)
         if md.all_greedy:
-            return greedy
+            return greedy, logits
         is_greedy = md.temperature < _SAMPLING_EPS
-        random = self.exponential_race(self.filtered_probs(logits, md), md.generators)
-        return torch.where(is_greedy, greedy, random)
+        processed = self.filtered_logits(logits, md)
+        random = self.exponential_race(processed.softmax(-1), md.generators)
+        return torch.where(is_greedy, greedy, random), processed
 
     @staticmethod
-    def filtered_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """The distribution random rows draw from: temperature, min_p, top-k, top-p, softmax
-        (greedy rows: temperature 1)."""
+    def filtered_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The logits random rows draw from: temperature, min_p, top-k, top-p (-inf where
+        filtered; greedy rows: temperature 1)."""
         is_greedy = md.temperature < _SAMPLING_EPS
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature.unsqueeze(1)
@@ -175,8 +188,12 @@ class Sampler:
             probs = logits.softmax(-1)
             threshold = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        return logits.softmax(-1)
+        return apply_top_k_top_p(logits, md.top_k, md.top_p)
+
+    @classmethod
+    def filtered_probs(cls, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from."""
+        return cls.filtered_logits(logits, md).softmax(-1)
 
     def target_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """[rows, vocab] fp32: what `__call__` would sample each random row from."""
