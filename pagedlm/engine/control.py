@@ -56,6 +56,10 @@ class EngineControlMixin:
             self._weights_generation = generation
             self.scheduler.kv_cache_manager.invalidate_prefix_cache()
             logger.info("Weights changed: prefix cache invalidated")
+        self.check_weights_present()
+
+    def check_weights_present(self) -> None:
+        """After sleep(level=2): raise until every discarded weight was loaded again."""
         if self._weights_need_check:
             self.model_executor.collective_rpc("check_weights_present")
             self._weights_need_check = False
@@ -67,6 +71,11 @@ class EngineControlMixin:
         return self.weight_version
 
     # -------------------------------------------------------------- sleep
+    def check_can_generate(self) -> None:
+        """Raise (before any request is added) if a step could not run now."""
+        self.check_awake()
+        self.check_weights_present()
+
     def check_awake(self) -> None:
         if self.asleep:
             raise RuntimeError(

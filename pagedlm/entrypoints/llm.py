@@ -138,7 +138,7 @@ class LLM(PoolingMixin, ControlMixin):
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         self._check_generate("LLM.generate()")
-        self.llm_engine.check_awake()
+        self.llm_engine.check_can_generate()
         self._add_requests(
             prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
         )
