@@ -114,6 +114,7 @@ class Scheduler:
         self.waiting = RequestQueue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.preempted_outside_step: set[str] = set()  # told to the workers next step
         self.num_preemptions = 0
         self.spec_decoding_stats = SpecDecodingStats()
 
@@ -204,6 +205,8 @@ class Scheduler:
         out.scheduled_req_ids = [r.request_id for r in scheduled]
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
+        out.preempted_req_ids |= self.preempted_outside_step - out.finished_req_ids
+        self.preempted_outside_step = set()
         return out
 
     def _describe_for_workers(self, request: Request, out: SchedulerOutput) -> None:
@@ -371,6 +374,7 @@ class Scheduler:
         if reset_running_requests:
             for request in reversed(self.running):
                 self._preempt(request)
+                self.preempted_outside_step.add(request.request_id)
             self.running.clear()
         return self.kv_cache_manager.reset_prefix_cache()
 

@@ -103,17 +103,18 @@ def test_no_transfer_backend_configured(tiny_qwen2):
         LLM(str(tiny_qwen2), weight_transfer_config={"backend": "nccl"}, **ENGINE)
 
 
-def test_tensor_parallel_ranks_load_their_shards(tiny_qwen2, tmp_path):
+@pytest.mark.parametrize("backend", ["ipc", "gloo"])
+def test_tensor_parallel_ranks_load_their_shards(tiny_qwen2, tmp_path, backend):
     new_state = perturbed_checkpoint(tiny_qwen2, tmp_path / "new")
     want = run(LLM(str(tmp_path / "new"), **ENGINE))
     llm = LLM(
         str(tiny_qwen2),
         tensor_parallel_size=2,
-        weight_transfer_config={"backend": "ipc"},
+        weight_transfer_config={"backend": backend},
         **ENGINE,
     )
     try:
-        Pusher(llm, "ipc", world_size=2).push(list(new_state.items()), version="v1")
+        Pusher(llm, backend, world_size=2).push(list(new_state.items()), version="v1")
         assert_close(run(llm), want)
     finally:
         llm.llm_engine.shutdown()

@@ -137,3 +137,18 @@ def test_sleep_needs_enable_sleep_mode_and_reports_metric(tiny_qwen2):
     assert state()["awake"] == 0
     llm.wake_up()
     assert state()["awake"] == 1
+
+
+def test_level1_keep_recomputes_kept_requests(tiny_qwen2):
+    """mode="keep" at level 1: the KV cache is freed under running requests; they are
+    recomputed after waking and finish with the tokens an uninterrupted run gives."""
+    llm = LLM(str(tiny_qwen2), **SLEEPY)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.enqueue(PROMPTS, params, use_tqdm=False)
+    for _ in range(4):
+        llm.llm_engine.step()
+    llm.sleep(level=1, mode="keep")
+    assert llm.wake_up() is True
+    got = [o.outputs[0].token_ids for o in llm.wait_for_completion(use_tqdm=False)]
+    assert got == want
