@@ -28,8 +28,11 @@ class ProfilerAlreadyActiveError(RuntimeError):
 
 
 def release_memory_to_os() -> None:
-    """Return freed heap pages to the OS (glibc keeps them otherwise)."""
+    """Return freed heap pages to the OS (glibc keeps them otherwise), and cached CUDA
+    blocks to the driver."""
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -140,3 +140,42 @@ def test_in_flight_requests_with_sleep_keep(tiny_qwen2, tmp_path):
     assert [len(o.outputs[0].token_ids) for o in finished] == [12, 12]
     assert llm.get_weight_version() == "v2"
     assert_close(run(llm), want)  # a new request never reuses the old weights' KV
+
+
+def test_ipc_handles_in_process_tensors_and_bad_handles(tiny_qwen2, tmp_path):
+    """The ipc backend also takes the tensors themselves (trainer in the engine's process);
+    a handle that does not match its declared dtype/shape, or runs past its shared-memory
+    file, is refused before anything is loaded."""
+    from pagedlm.distributed.weight_transfer.ipc_engine import pack_shared
+
+    new_state = perturbed_checkpoint(tiny_qwen2, tmp_path / "new")
+    want = run(LLM(str(tmp_path / "new"), **ENGINE))
+    llm = LLM(str(tiny_qwen2), weight_transfer_config={"backend": "ipc"}, **ENGINE)
+    before = run(llm)
+    llm.init_weight_transfer_engine({"init_info": {}})
+    names = list(new_state)
+    info = {
+        "names": names,
+        "dtype_names": ["float32"] * len(names),
+        "shapes": [list(new_state[n].shape) for n in names],
+    }
+    llm.start_weight_update()
+    wrong = dict(info, ipc_handles=[new_state[n].double() for n in names])
+    with pytest.raises(ValueError, match="declares"):
+        llm.update_weights({"update_info": wrong})
+    packed, path = pack_shared([(names[0], new_state[names[0]])])
+    try:
+        too_long = {
+            "names": [names[0]],
+            "dtype_names": ["float32"],
+            "shapes": [[packed.shapes[0][0] * 2, *packed.shapes[0][1:]]],
+            "ipc_handles": packed.ipc_handles,
+        }
+        with pytest.raises(ValueError, match="run past the end"):
+            llm.update_weights({"update_info": too_long})
+    finally:
+        Path(path).unlink()
+    assert run(llm) == before
+    llm.update_weights({"update_info": dict(info, ipc_handles=[new_state[n] for n in names])})
+    llm.finish_weight_update(weight_version="in-process")
+    assert_close(run(llm), want)
