@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.entrypoints.beam_search import BeamSearchMixin
 from pagedlm.entrypoints.chat_utils import render_conversations
 from pagedlm.entrypoints.pooling import PoolingMixin
 from pagedlm.inputs import prompt_to_seq
@@ -41,7 +42,7 @@ def _speculative_aliases(kwargs: dict[str, Any]) -> None:
         kwargs["speculative_config"] = {**(kwargs.get("speculative_config") or {}), **given}
 
 
-class LLM(PoolingMixin):
+class LLM(BeamSearchMixin, PoolingMixin):
     """An offline engine: `LLM(model, **engine_args)`; every option is keyword-only."""
 
     def __init__(
