@@ -61,9 +61,7 @@ def main() -> None:
     for i, kind in enumerate(("wall", "cpu")):
         g = statistics.median(t[i] for t in greedy_t)
         b = statistics.median(t[i] for t in beam_t)
-        print(
-            f"  {kind}: greedy {g:.3f} s, beam width {args.width} {b:.3f} s, ratio {b / g:.2f}x"
-        )
+        print(f"  {kind}: greedy {g:.3f} s, beam width {args.width} {b:.3f} s, ratio {b / g:.2f}x")
 
 
 if __name__ == "__main__":
