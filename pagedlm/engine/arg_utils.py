@@ -23,6 +23,7 @@ from pagedlm.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     VllmConfig,
     derive_max_model_len,
     resolve_dtype,
@@ -65,6 +66,8 @@ _HELP: dict[str, str] = {
     '"prompt_lookup_max": 4} or {"method": "draft_model", "model": ..., ...}.',
     "async_scheduling": "Refused when true: the CPU engine schedules synchronously.",
     "compilation_config": "Refused unless empty: pagedlm runs the model eagerly.",
+    "structured_outputs_config": "JSON dict: backend (auto/xgrammar), disable_any_whitespace, ...",
+    "return_sampling_mask": "Return, per sampled token, the token ids that survived sampling.",
 }
 # Values accepted for options whose other values vLLM has but pagedlm refuses by name.
 _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
@@ -144,6 +147,8 @@ class EngineArgs:
     async_scheduling: bool | None = None
     distributed_executor_backend: str | None = None
     compilation_config: Any = None
+    structured_outputs_config: dict[str, Any] | None = None
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         for name, default in _UNSUPPORTED_DEFAULTS.items():
@@ -275,6 +280,7 @@ class EngineArgs:
             runner=self.runner,
             convert=self.convert,
             pooling_task=pooling_task,
+            return_sampling_mask=self.return_sampling_mask,
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16,
@@ -306,6 +312,9 @@ class EngineArgs:
             parallel_config=parallel_config,
             speculative_config=speculative_config,
             disable_log_stats=self.disable_log_stats,
+            structured_outputs_config=StructuredOutputsConfig.from_any(
+                self.structured_outputs_config
+            ),
         )
 
     def create_parallel_config(self, hf_config: Any) -> ParallelConfig:

@@ -16,6 +16,7 @@ import torch
 
 from pagedlm.core.sched_output import LogprobsLists
 from pagedlm.kernels.cpu import argmax_rows, kernels_for
+from pagedlm.structured_output.bitmask import apply_grammar_bitmask
 
 
 @dataclass
@@ -41,6 +42,9 @@ class SamplingMetadata:
     min_tokens_stop_ids: dict[int, list[int]] = field(default_factory=dict)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
     logprobs_mode: str = "raw_logprobs"
+    # Structured outputs: logits rows constrained by a grammar and their int32 bitmask rows.
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_rows), ceil(vocab / 32)]
 
     @property
     def has_logits_processors(self) -> bool:
@@ -94,6 +98,9 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if md.grammar_bitmask is not None:
+            # before everything (raw logprobs included, as vLLM): disallowed tokens are -inf
+            logits = apply_grammar_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
         if md.all_greedy and md.max_num_logprobs is None and not md.modifies_logits:
             # casting to fp32 keeps order and ties, so the argmax of model-dtype logits is exact
             return SamplerOutput(greedy_sample(logits), None)

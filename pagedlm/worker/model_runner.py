@@ -25,6 +25,7 @@ from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.model_loader.loader import get_model
 from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagedlm.spec_decode.rejection_sampler import verify_greedy, verify_random
+from pagedlm.structured_output.bitmask import grammar_rows
 from pagedlm.worker.input_batch import CachedRequestState, InputBatch
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
 from pagedlm.worker.step_inputs import StepInputs, build_step_inputs
@@ -118,12 +119,18 @@ class ModelRunner:
         if (inputs.num_logits > 1).any():
             self._sample_with_drafts(inputs, logits, scheduler_output, output)
         else:
-            self._sample(inputs, logits, output)
+            self._sample(inputs, logits, output, scheduler_output)
         if self.proposer is not None:
             self._propose(inputs, output)
         return output
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput):
+    def _sample(
+        self,
+        inputs: StepInputs,
+        logits: torch.Tensor,
+        output: ModelRunnerOutput,
+        scheduler_output: SchedulerOutput,
+    ) -> None:
         metadata = build_sampling_metadata(
             self.input_batch,
             inputs.sampling_rows,
@@ -131,6 +138,11 @@ class ModelRunner:
             self.device,
             self.model_config.logprobs_mode,
         )
+        grammar = grammar_rows(  # structured outputs
+            scheduler_output.grammar_output, [s.req_id for s in inputs.sampling_states]
+        )
+        if grammar is not None:
+            metadata.grammar_rows, metadata.grammar_bitmask = grammar
         sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         lists = sampler_output.logprobs
