@@ -95,6 +95,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     pooling_output: Any = None
     scheduled_ts: float = 0.0  # monotonic time the request was first scheduled
+    new_sampling_mask: list[list[int]] | None = None  # per new token: surviving token ids
 
     @property
     def finished(self) -> bool:
@@ -114,3 +115,4 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     pooler_output: dict[str, Any] = field(default_factory=dict)
+    sampling_mask: dict[str, list[list[int]]] = field(default_factory=dict)  # return_sampling_mask

@@ -333,6 +333,7 @@ class Scheduler:
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         pooling_output=pooler_output,
                         scheduled_ts=request.scheduled_ts,
+                        new_sampling_mask=runner_output.sampling_mask.get(rid),
                     )
                 )
         return outputs

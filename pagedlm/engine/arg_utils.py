@@ -305,6 +305,8 @@ class EngineArgs:
             if pooling:
                 raise ValueError("speculative decoding needs a generative model")
             speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.return_sampling_mask:
+                raise ValueError("return_sampling_mask is not supported with speculative decoding.")
         return VllmConfig(
             model_config,
             cache_config,

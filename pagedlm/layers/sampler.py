@@ -1,11 +1,14 @@
 """The sampler, in vLLM v1's order of operations, all math in fp32:
 
-1. raw logprobs (before any processing) when logprobs are requested;
+0. structured outputs: grammar bitmask rows set disallowed logits to -inf (every path);
+1. raw logprobs (before any other processing) when logprobs are requested;
 2. allowed_token_ids mask, bad words, min_tokens (stop ids masked), logit_bias;
 3. penalties: repetition (prompt + output), frequency and presence (output);
 4. greedy rows take the argmax; random rows: temperature, min_p, top-k, top-p, then an
    exponential race (argmax of p / Exp(1) noise), drawn from a per-request generator for seeded
    requests so their tokens do not depend on the rest of the batch.
+
+With return_sampling_mask, each row also reports its support: the ids still finite after step 4.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class SamplingMetadata:
     # Structured outputs: logits rows constrained by a grammar and their int32 bitmask rows.
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None  # [len(grammar_rows), ceil(vocab / 32)]
+    return_sampling_mask: bool = False  # report each row's surviving token ids
 
     @property
     def has_logits_processors(self) -> bool:
@@ -66,6 +70,8 @@ class SamplingMetadata:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsLists | None
+    # Per row, the token ids whose processed logit is finite (the support sampled from).
+    sampling_mask: list[list[int]] | None = None
 
 
 _SAMPLING_EPS = 1e-5
@@ -101,7 +107,8 @@ class Sampler:
         if md.grammar_bitmask is not None:
             # before everything (raw logprobs included, as vLLM): disallowed tokens are -inf
             logits = apply_grammar_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
-        if md.all_greedy and md.max_num_logprobs is None and not md.modifies_logits:
+        fast = not (md.max_num_logprobs is not None or md.modifies_logits)
+        if md.all_greedy and fast and not md.return_sampling_mask:
             # casting to fp32 keeps order and ties, so the argmax of model-dtype logits is exact
             return SamplerOutput(greedy_sample(logits), None)
         logits = logits.float()
@@ -110,11 +117,12 @@ class Sampler:
             raw = logits if md.logprobs_mode == "raw_logits" else logits.log_softmax(-1)
         logits = self.apply_logits_processors(logits, md)
         logits = self.apply_penalties(logits, md)
-        sampled = self.sample(logits, md)
+        sampled, processed = self.sample(logits, md)
         lists = None
         if raw is not None:
             lists = gather_logprobs(raw, md.max_num_logprobs, sampled)
-        return SamplerOutput(sampled, lists)
+        mask = sampling_support(processed) if md.return_sampling_mask else None
+        return SamplerOutput(sampled, lists, mask)
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -163,18 +171,24 @@ class Sampler:
         logits = logits - md.presence_penalties.unsqueeze(1) * (output_counts > 0)
         return logits
 
-    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled ids, processed logits): the temperature-scaled logits after min_p, top-k
+        and top-p (-inf where filtered); greedy rows are their logits."""
         greedy = greedy_sample(logits)
         if md.all_greedy:
-            return greedy
+            return greedy, logits
         is_greedy = md.temperature < _SAMPLING_EPS
-        random = self.exponential_race(self.filtered_probs(logits, md), md.generators)
-        return torch.where(is_greedy, greedy, random)
+        filtered = self.filtered_logits(logits, md)
+        random = self.exponential_race(filtered.softmax(-1), md.generators)
+        # greedy rows have neutral min_p / top-k / top-p, so their filtered row is their logits
+        return torch.where(is_greedy, greedy, random), filtered
 
     @staticmethod
-    def filtered_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """The distribution random rows draw from: temperature, min_p, top-k, top-p, softmax
-        (greedy rows: temperature 1)."""
+    def filtered_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """What random rows draw from, as logits: temperature, min_p, top-k, top-p (-inf where
+        filtered; greedy rows: temperature 1)."""
         is_greedy = md.temperature < _SAMPLING_EPS
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature.unsqueeze(1)
@@ -182,8 +196,12 @@ class Sampler:
             probs = logits.softmax(-1)
             threshold = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        return logits.softmax(-1)
+        return apply_top_k_top_p(logits, md.top_k, md.top_p)
+
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from (softmax of `filtered_logits`)."""
+        return Sampler.filtered_logits(logits, md).softmax(-1)
 
     def target_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """[rows, vocab] fp32: what `__call__` would sample each random row from."""
@@ -201,6 +219,18 @@ class Sampler:
         for row, generator in generators.items():
             q[row].exponential_(generator=generator)
         return probs.div(q).argmax(-1)
+
+
+def sampling_support(processed: torch.Tensor) -> list[list[int]]:
+    """Per row, the ascending token ids whose processed logit is finite."""
+    finite = torch.isfinite(processed)
+    _, cols = finite.nonzero(as_tuple=True)  # row-major: each row's ids are contiguous
+    ids = cols.tolist()
+    out, start = [], 0
+    for count in finite.sum(-1).tolist():
+        out.append(ids[start : start + count])
+        start += count
+    return out
 
 
 def apply_top_k_top_p(

@@ -143,11 +143,14 @@ class ModelRunner:
         )
         if grammar is not None:
             metadata.grammar_rows, metadata.grammar_bitmask = grammar
+        metadata.return_sampling_mask = self.model_config.return_sampling_mask
         sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         lists = sampler_output.logprobs
         for i, state in enumerate(inputs.sampling_states):
             output.sampled_token_ids[state.req_id] = [sampled[i]]
+            if sampler_output.sampling_mask is not None:
+                output.sampling_mask[state.req_id] = [sampler_output.sampling_mask[i]]
             k = self._num_logprobs(state)
             if lists is not None and k is not None:
                 output.logprobs[state.req_id] = LogprobsLists(
