@@ -86,6 +86,7 @@ class ModelConfig:
     runner: str = "auto"  # as requested
     convert: str = "auto"
     pooling_task: str | None = None  # "embed" or "classify" for pooling models
+    return_sampling_mask: bool = False  # CompletionOutput.sampling_mask for every request
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -155,6 +156,38 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+
+
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Engine-level options (vLLM's ``StructuredOutputsConfig``); only xgrammar is built in."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    @classmethod
+    def from_any(cls, value: Any) -> StructuredOutputsConfig:
+        """From None, a config, or a dict (unknown keys are dropped, as vLLM does)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"structured_outputs_config must be a dict, got {type(value)}")
+        known = {k: v for k, v in value.items() if k in cls.__dataclass_fields__}
+        config = cls(**known)
+        if config.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config backend {config.backend!r} is not available; "
+                f"pagedlm supports {', '.join(STRUCTURED_OUTPUT_BACKENDS)}."
+            )
+        return config
 
 
 @dataclass
@@ -321,4 +354,7 @@ class VllmConfig:
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     enable_sleep_mode: bool = False
     disable_log_stats: bool = False
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
     device: str = field(default_factory=lambda: envs.PAGEDLM_DEVICE)

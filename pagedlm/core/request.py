@@ -15,6 +15,7 @@ from pagedlm.core.block_hash import hash_request_blocks
 
 if TYPE_CHECKING:
     from pagedlm.sampling_params import SamplingParams
+    from pagedlm.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -88,6 +89,8 @@ class Request:
         self.resumed_from_preemption = False
         self.num_synced_tokens = 0
         self.num_synced_blocks = 0
+        # Structured outputs: the grammar matcher, set by the engine (None: unconstrained).
+        self.structured_output_request: StructuredOutputRequest | None = None
         # Timestamps (monotonic) for metrics.
         self.queued_ts = time.monotonic()
         self.scheduled_ts = 0.0

@@ -10,10 +10,13 @@ new block list. No `Request`, KV manager or other live engine object is referenc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedlm.structured_output import GrammarOutput
 
 
 @dataclass
@@ -64,6 +67,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: bitmask rows of this step's grammar-constrained samples (plain data).
+    grammar_output: GrammarOutput | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -90,6 +95,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     pooling_output: Any = None
     scheduled_ts: float = 0.0  # monotonic time the request was first scheduled
+    new_sampling_mask: list[list[int]] | None = None  # per new token: surviving token ids
 
     @property
     def finished(self) -> bool:
@@ -109,3 +115,4 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     pooler_output: dict[str, Any] = field(default_factory=dict)
+    sampling_mask: dict[str, list[list[int]]] = field(default_factory=dict)  # return_sampling_mask

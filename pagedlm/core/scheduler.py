@@ -25,6 +25,7 @@ from pagedlm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedlm.structured_output import advance_grammar
 
 
 @dataclass
@@ -335,6 +336,7 @@ class Scheduler:
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         pooling_output=pooler_output,
                         scheduled_ts=request.scheduled_ts,
+                        new_sampling_mask=runner_output.sampling_mask.get(rid),
                     )
                 )
         return outputs
@@ -346,7 +348,11 @@ class Scheduler:
         get several (speculative decoding) and must stop at the first that ends it."""
         for i, token_id in enumerate(token_ids):
             request.append_output_token_ids([token_id])
-            if self._check_stop(request):
+            stopped = self._check_stop(request)
+            if not stopped and advance_grammar(request, [token_id]):  # structured outputs:
+                request.status = RequestStatus.FINISHED_STOPPED  # the grammar has ended
+                stopped = True
+            if stopped:
                 return token_ids[: i + 1], True
         return token_ids, False
 

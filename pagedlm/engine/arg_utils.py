@@ -24,6 +24,7 @@ from pagedlm.config import (
     ProfilerConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     VllmConfig,
     WeightTransferConfig,
     derive_max_model_len,
@@ -73,6 +74,8 @@ _HELP: dict[str, str] = {
     "profiler_config": "JSON dict or ProfilerConfig (vLLM's fields): torch_profiler_dir, "
     "torch_profiler_record_shapes, torch_profiler_with_stack, ...",
     "logprobs_mode": "raw_logprobs, raw_logits, processed_logprobs or processed_logits.",
+    "structured_outputs_config": "JSON dict: backend (auto/xgrammar), disable_any_whitespace, ...",
+    "return_sampling_mask": "Return, per sampled token, the token ids that survived sampling.",
 }
 # Values accepted for options whose other values vLLM has but pagedlm refuses by name.
 _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
@@ -155,6 +158,8 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     weight_transfer_config: Any = None
     profiler_config: Any = None
+    structured_outputs_config: dict[str, Any] | None = None
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         for name, default in _UNSUPPORTED_DEFAULTS.items():
@@ -286,6 +291,7 @@ class EngineArgs:
             runner=self.runner,
             convert=self.convert,
             pooling_task=pooling_task,
+            return_sampling_mask=self.return_sampling_mask,
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16,
@@ -310,6 +316,8 @@ class EngineArgs:
             if pooling:
                 raise ValueError("speculative decoding needs a generative model")
             speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.return_sampling_mask:
+                raise ValueError("return_sampling_mask is not supported with speculative decoding.")
         return VllmConfig(
             model_config,
             cache_config,
@@ -320,6 +328,9 @@ class EngineArgs:
             weight_transfer_config=self._weight_transfer_config(),
             profiler_config=ProfilerConfig.from_any(self.profiler_config),
             enable_sleep_mode=self.enable_sleep_mode,
+            structured_outputs_config=StructuredOutputsConfig.from_any(
+                self.structured_outputs_config
+            ),
         )
 
     def _weight_transfer_config(self) -> WeightTransferConfig | None:

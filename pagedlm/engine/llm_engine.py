@@ -32,6 +32,7 @@ from pagedlm.metrics import (
 from pagedlm.outputs import RequestOutput
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,13 @@ class LLMEngine(EngineControlMixin):
         self.input_processor = InputProcessor(
             self.model_config, self.tokenizer, vllm_config.speculative_config is not None
         )
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.input_processor.stop_token_ids(),
+            vllm_config.structured_outputs_config,
+        )
+        self.input_processor.structured_output_manager = self.structured_output_manager
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self.stat_logger = PrometheusStatLogger(self.model_config.model) if log_stats else None
         self._num_preemptions_logged = 0
@@ -201,6 +209,11 @@ class LLMEngine(EngineControlMixin):
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
         )
+        if params is not None and params.structured_outputs is not None:
+            so_manager = self.structured_output_manager
+            core_request.structured_output_request = so_manager.init_request(
+                params.structured_outputs
+            )
         self.output_processor.add_request(request, external_id, parent, index)
         self.scheduler.add_request(core_request)
 
@@ -242,6 +255,9 @@ class LLMEngine(EngineControlMixin):
                 "The scheduler could not schedule any request although some are waiting; this "
                 "is a bug in pagedlm (please report it with the engine arguments used)."
             )
+        scheduler_output.grammar_output = self.structured_output_manager.grammar_bitmask(
+            self.scheduler.requests[rid] for rid in scheduler_output.scheduled_req_ids
+        )
         runner_output = self.model_executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         iteration_stats = IterationStats() if self.stat_logger is not None else None

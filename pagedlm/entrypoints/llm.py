@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.entrypoints.beam_search import BeamSearchMixin
 from pagedlm.entrypoints.chat_utils import render_conversations
 from pagedlm.entrypoints.control import ControlMixin
 from pagedlm.entrypoints.pooling import PoolingMixin
@@ -42,7 +43,7 @@ def _speculative_aliases(kwargs: dict[str, Any]) -> None:
         kwargs["speculative_config"] = {**(kwargs.get("speculative_config") or {}), **given}
 
 
-class LLM(PoolingMixin, ControlMixin):
+class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
     """An offline engine: `LLM(model, **engine_args)`; every option is keyword-only."""
 
     def __init__(

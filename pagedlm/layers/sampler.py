@@ -1,6 +1,7 @@
 """The sampler, in vLLM v1's order of operations, all math in fp32:
 
-1. raw logprobs (before any processing) when logprobs are requested;
+0. structured outputs: grammar bitmask rows set disallowed logits to -inf (every path);
+1. raw logprobs (before any other processing) when logprobs are requested;
 2. allowed_token_ids mask, bad words, min_tokens (stop ids masked), logit_bias;
 3. penalties: repetition (prompt + output), frequency and presence (output);
 4. greedy rows take the argmax; random rows: temperature, min_p, top-k, top-p, then an
@@ -12,6 +13,7 @@ drawn from (after steps 2-4; -inf where masked), or their log_softmax, as vLLM d
 row is greedy that is after the penalties; otherwise greedy rows of the batch count with
 temperature 1 and their own min_p / top-k / top-p. Prompt logprobs stay raw in every mode (as
 in vLLM's runner).
+With return_sampling_mask, each row also reports its support: the ids still finite after step 4.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from pagedlm.core.sched_output import LogprobsLists
 from pagedlm.kernels.cpu import argmax_rows, kernels_for
+from pagedlm.structured_output.bitmask import apply_grammar_bitmask
 
 
 @dataclass
@@ -47,6 +50,10 @@ class SamplingMetadata:
     min_tokens_stop_ids: dict[int, list[int]] = field(default_factory=dict)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
     logprobs_mode: str = "raw_logprobs"
+    # Structured outputs: logits rows constrained by a grammar and their int32 bitmask rows.
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_rows), ceil(vocab / 32)]
+    return_sampling_mask: bool = False  # report each row's surviving token ids
 
     @property
     def has_logits_processors(self) -> bool:
@@ -68,6 +75,8 @@ class SamplingMetadata:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsLists | None
+    # Per row, the token ids whose processed logit is finite (the support sampled from).
+    sampling_mask: list[list[int]] | None = None
 
 
 _SAMPLING_EPS = 1e-5
@@ -100,7 +109,11 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if md.all_greedy and md.max_num_logprobs is None and not md.modifies_logits:
+        if md.grammar_bitmask is not None:
+            # before everything (raw logprobs included, as vLLM): disallowed tokens are -inf
+            logits = apply_grammar_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
+        fast = not (md.max_num_logprobs is not None or md.modifies_logits)
+        if md.all_greedy and fast and not md.return_sampling_mask:
             # casting to fp32 keeps order and ties, so the argmax of model-dtype logits is exact
             return SamplerOutput(greedy_sample(logits), None)
         logits = logits.float()
@@ -116,7 +129,8 @@ class Sampler:
         lists = None
         if raw is not None:
             lists = gather_logprobs(raw, md.max_num_logprobs, sampled)
-        return SamplerOutput(sampled, lists)
+        mask = sampling_support(processed) if md.return_sampling_mask else None
+        return SamplerOutput(sampled, lists, mask)
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -168,7 +182,8 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, md: SamplingMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled ids and the logits they were drawn from (processed)."""
+        """(sampled ids, processed logits): the temperature-scaled logits after min_p, top-k
+        and top-p (-inf where filtered); greedy rows are their logits."""
         greedy = greedy_sample(logits)
         if md.all_greedy:
             return greedy, logits
@@ -211,6 +226,18 @@ class Sampler:
         for row, generator in generators.items():
             q[row].exponential_(generator=generator)
         return probs.div(q).argmax(-1)
+
+
+def sampling_support(processed: torch.Tensor) -> list[list[int]]:
+    """Per row, the ascending token ids whose processed logit is finite."""
+    finite = torch.isfinite(processed)
+    _, cols = finite.nonzero(as_tuple=True)  # row-major: each row's ids are contiguous
+    ids = cols.tolist()
+    out, start = [], 0
+    for count in finite.sum(-1).tolist():
+        out.append(ids[start : start + count])
+        start += count
+    return out
 
 
 def apply_top_k_top_p(

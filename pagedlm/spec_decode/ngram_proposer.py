@@ -16,7 +16,8 @@ from pagedlm.worker.input_batch import CachedRequestState
 
 def can_speculate(state: CachedRequestState) -> bool:
     """Drafts are verified with each request's own sampling parameters, which holds only when
-    they do not depend on the tokens before (no penalties, bad words or pending min_tokens)."""
+    they do not depend on the tokens before (no penalties, bad words, grammar or pending
+    min_tokens)."""
     p = state.sampling_params
     return (
         p is not None
@@ -24,6 +25,7 @@ def can_speculate(state: CachedRequestState) -> bool:
         and p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
         and not p.bad_words_token_ids
+        and p.structured_outputs is None
         and len(state.output_token_ids) + 1 >= p.min_tokens
     )
 

@@ -25,6 +25,7 @@ from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.model_loader.loader import get_model
 from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagedlm.spec_decode.rejection_sampler import verify_greedy, verify_random
+from pagedlm.structured_output.bitmask import grammar_rows
 from pagedlm.worker.input_batch import CachedRequestState, InputBatch
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
 from pagedlm.worker.step_inputs import StepInputs, build_step_inputs
@@ -118,12 +119,18 @@ class ModelRunner:
         if (inputs.num_logits > 1).any():
             self._sample_with_drafts(inputs, logits, scheduler_output, output)
         else:
-            self._sample(inputs, logits, output)
+            self._sample(inputs, logits, output, scheduler_output)
         if self.proposer is not None:
             self._propose(inputs, output)
         return output
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput):
+    def _sample(
+        self,
+        inputs: StepInputs,
+        logits: torch.Tensor,
+        output: ModelRunnerOutput,
+        scheduler_output: SchedulerOutput,
+    ) -> None:
         metadata = build_sampling_metadata(
             self.input_batch,
             inputs.sampling_rows,
@@ -131,11 +138,19 @@ class ModelRunner:
             self.device,
             self.model_config.logprobs_mode,
         )
+        grammar = grammar_rows(  # structured outputs
+            scheduler_output.grammar_output, [s.req_id for s in inputs.sampling_states]
+        )
+        if grammar is not None:
+            metadata.grammar_rows, metadata.grammar_bitmask = grammar
+        metadata.return_sampling_mask = self.model_config.return_sampling_mask
         sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         lists = sampler_output.logprobs
         for i, state in enumerate(inputs.sampling_states):
             output.sampled_token_ids[state.req_id] = [sampled[i]]
+            if sampler_output.sampling_mask is not None:
+                output.sampling_mask[state.req_id] = [sampler_output.sampling_mask[i]]
             k = self._num_logprobs(state)
             if lists is not None and k is not None:
                 output.logprobs[state.req_id] = LogprobsLists(
@@ -164,6 +179,9 @@ class ModelRunner:
         rows = np.repeat(inputs.sampling_rows, counts)
         mode = self.model_config.logprobs_mode
         metadata = build_sampling_metadata(self.input_batch, rows, states, self.device, mode)
+        grammar = grammar_rows(so.grammar_output, [s.req_id for s in states])
+        if grammar is not None:  # grammar requests get no drafts: one row each
+            metadata.grammar_rows, metadata.grammar_bitmask = grammar
         sampled = self.sampler(logits, metadata).sampled_token_ids.tolist()
         probs = None
         start = 0
@@ -188,6 +206,8 @@ class ModelRunner:
 
     def _propose(self, inputs: StepInputs, output: ModelRunnerOutput) -> None:
         """Drafts for the next step, from each request's tokens including this step's."""
+        if self.model_config.return_sampling_mask:  # masks are per sampled position
+            return
         batch = self.input_batch
         for row, state in zip(inputs.sampling_rows.tolist(), inputs.sampling_states):
             new = output.sampled_token_ids.get(state.req_id)
