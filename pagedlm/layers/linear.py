@@ -30,8 +30,9 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches go to the AMX kernel over
-    the dense weight, the rest to oneDNN. `weight` itself may be the prepacked layout."""
+    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches go to the small-batch
+    kernel (AMX over the dense weight, or AVX-512 BF16 over its blocked copy), the rest to
+    oneDNN. `weight` itself may be the prepacked layout."""
     if packed is not None:
         y = cpu_kernels.small_batch_linear(x, weight, bias)
         if y is not None:
@@ -45,12 +46,18 @@ def linear(
 def prepack_weight(module: nn.Module) -> torch.Tensor | None:
     """Prepack `module.weight` for `linear`; returns the copy to pass as `packed`, or None.
 
-    The dense weight survives only where the platform's small-batch kernel reads it; otherwise
-    the prepacked layout replaces `module.weight` (and None is returned).
+    Where the platform has a small-batch kernel, `module.weight` becomes the layout that kernel
+    reads (the dense weight for AMX, a blocked copy for AVX-512 BF16) and the prepacked copy is
+    returned; otherwise the prepacked layout replaces `module.weight` (and None is returned).
     """
     weight = module.weight.data
     packed = current_platform.prepack_linear_weight(weight)
-    if packed is None or current_platform.reads_dense_weight(weight):
+    if packed is None:
+        return None
+    small = current_platform.small_batch_weight(weight)
+    if small is not None:
+        if small is not weight:
+            module.weight = nn.Parameter(small, requires_grad=False)
         return packed
     module.weight = nn.Parameter(packed, requires_grad=False)
     return None
