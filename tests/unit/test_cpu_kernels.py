@@ -211,3 +211,36 @@ def test_small_batch_copy_only_while_ram_allows(monkeypatch) -> None:
     monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(total=1 << 20))
     assert platform.small_batch_weight(w) is None
     assert not platform.reads_dense_weight(w)
+
+
+@needs_kernels
+def test_wrappers_reject_tensors_the_c_code_would_misread() -> None:
+    """dtype, shape and layout of every pointer argument are checked before the call."""
+    from pagedlm.kernels.cpu import paged_decode_attention, rms_norm, rotary_embedding
+
+    q = torch.randn(2, 4, 64)
+    cache = torch.randn(3, 16, 2, 64)
+    table = torch.zeros(2, 3, dtype=torch.int64)
+    lens = torch.tensor([5, 7])
+    with pytest.raises(TypeError, match="block_table must be torch.int64"):
+        paged_decode_attention(lib, q, cache, cache, table.int(), lens, 0.1, None)
+    with pytest.raises(TypeError, match="seq_lens must be torch.int64"):
+        paged_decode_attention(lib, q, cache, cache, table, lens.int(), 0.1, None)
+    with pytest.raises(TypeError, match="k_cache must be torch.float32"):
+        paged_decode_attention(lib, q, cache.bfloat16(), cache, table, lens, 0.1, None)
+    with pytest.raises(ValueError, match="seq_lens has shape"):
+        paged_decode_attention(lib, q, cache, cache, table, lens[:1], 0.1, None)
+    x = torch.randn(3, 32)
+    with pytest.raises(TypeError, match="weight must be torch.float32"):
+        rms_norm(lib, x, None, torch.ones(32).bfloat16(), 1e-6, 0.0)
+    with pytest.raises(ValueError, match="weight has shape"):
+        rms_norm(lib, x, None, torch.ones(16), 1e-6, 0.0)
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        rms_norm(lib, x, torch.randn(32, 3).t(), torch.ones(32), 1e-6, 0.0)
+    cos = torch.randn(10, 8)
+    with pytest.raises(TypeError, match="positions must be torch.int64"):
+        rotary_embedding(lib, torch.zeros(3, dtype=torch.int32), x, x, cos, cos, 8)
+    with pytest.raises(TypeError, match="argmax_rows: logits must be"):
+        argmax_rows(lib, torch.zeros(2, 5, dtype=torch.float16))
+    with pytest.raises(ValueError, match="weight has shape"):
+        small_batch_linear(torch.randn(2, 32).bfloat16(), torch.randn(8, 16).bfloat16(), None)
