@@ -4,9 +4,10 @@ Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` th
 rank's part of a checkpoint tensor into the right rows. Under tensor parallelism,
 column-parallel layers hold a slice of the output rows and row-parallel layers a slice of the
 input columns, followed by an all-reduce (vLLM's Megatron-style split).
-After loading, `process_weights_after_loading` adds the platform's prepacked layout (oneDNN on
-CPU) and drops the dense weight unless the platform's small-batch kernel reads it; from then on
-the weights are final and only `linear` reads them.
+How a layer holds its weight and computes is its `quant_method` (layers/quantization): the
+unquantized method adds, after loading, the platform's prepacked layout (oneDNN on CPU) and
+the small-batch kernel's copy, and computes with `linear`; GGUF and int8 methods keep
+quantized weights. From `process_weights_after_loading` on the weights are final.
 """
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ class LinearBase(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | None = None
+        self.params_dtype = torch.get_default_dtype()
+        from pagedlm.layers.quantization import get_linear_method
+
+        self.quant_method = get_linear_method()  # creates self.weight (and its loader)
+        self.quant_method.create_weights(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -96,10 +99,10 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = prepack_weight(self)
+        self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -145,8 +148,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        y = tensor_model_parallel_all_reduce(linear(x, self.weight, None, self.packed_weight))
+            return self.quant_method.apply(self, x, self.bias)
+        y = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedlm.config import ModelConfig
+from pagedlm.layers.quantization import set_quantization
 from pagedlm.model_loader.safetensors_loader import iterate_safetensors
 from pagedlm.models.registry import ModelRegistry
 
@@ -33,7 +34,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         model_config.architecture, model_config.runner, model_config.convert
     )
     kwargs = {"model_dir": model_config.model_path} if model_config.runner_type == "pooling" else {}
-    with _default_dtype_and_device(model_config.dtype, device):
+    with (
+        set_quantization(model_config.quantization),
+        _default_dtype_and_device(model_config.dtype, device),
+    ):
         model = model_cls(model_config.hf_config, max_position=model_config.max_model_len, **kwargs)
     if model_config.load_format == "dummy":
         generator = torch.Generator().manual_seed(model_config.seed or 0)
@@ -42,7 +46,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     elif model_config.gguf_file is not None:
         from pagedlm.model_loader.gguf_loader import iterate_gguf
 
-        model.load_weights(iterate_gguf(model_config.gguf_file, model_config.hf_config))
+        weights = iterate_gguf(
+            model_config.gguf_file, model_config.hf_config, model_config.quantization
+        )
+        model.load_weights(weights)
     else:
         model.load_weights(iterate_safetensors(model_config.model_path))
     for module in model.modules():
@@ -50,9 +57,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             module.process_weights_after_loading()
     model.eval()
     logger.info(
-        "Loaded %s (%s) in %.1fs",
+        "Loaded %s (%s, quantization %s) in %.1fs",
         model_config.architecture,
         model_config.dtype,
+        model_config.quantization,
         time.perf_counter() - start,
     )
     return model

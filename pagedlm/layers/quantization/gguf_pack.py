@@ -240,6 +240,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     xb = x.float().view(m, k // 32, 32)
     amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # tensor / tensor: a true fp32 division like C's 127.f / amax (python-scalar / tensor is
+    # computed as 127 * (1 / amax) and can round differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv[..., None]).to(torch.int8).view(m, k)
     return q, amax / 127.0
