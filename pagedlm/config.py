@@ -82,6 +82,7 @@ class ModelConfig:
     load_format: str = "auto"
     enforce_eager: bool = True
     gguf_file: str | None = None
+    quantization: str | None = None  # linear method: None, "gguf" or "int8"
     runner_type: str = "generate"  # resolved: "generate" or "pooling"
     runner: str = "auto"  # as requested
     convert: str = "auto"

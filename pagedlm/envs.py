@@ -37,6 +37,13 @@ _VARS = [
     EnvVar("XDG_CACHE_HOME", None, str, "Base of the default cache directory."),
     EnvVar("PAGEDLM_DISABLE_C_KERNELS", False, _flag, "1: use the PyTorch paths only."),
     EnvVar("PAGEDLM_DISABLE_PREPACK", False, _flag, "1: keep linear weights dense (no oneDNN)."),
+    EnvVar(
+        "PAGEDLM_GGUF_DEQUANTIZE",
+        False,
+        _flag,
+        "1: GGUF weights are dequantized to the model dtype at load (when quantization is "
+        "not given) instead of kept packed for the integer kernels.",
+    ),
     EnvVar("CC", None, str, "C compiler for the kernels (default: gcc, else cc)."),
     EnvVar(
         "OMP_NUM_THREADS",

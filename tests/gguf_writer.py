@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
@@ -30,9 +31,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_llama_gguf(model_dir: Path, path: Path) -> Path:
-    """An F32 GGUF of the llama checkpoint in `model_dir` (tokenizer: placeholder tokens)."""
-    import gguf
+def write_llama_gguf(
+    model_dir: Path, path: Path, quant: dict[str, gguf.GGMLQuantizationType] | None = None
+) -> Path:
+    """A GGUF of the llama checkpoint in `model_dir` (tokenizer: placeholder tokens): F32,
+    except projections whose GGUF name part (e.g. "attn_v") is in `quant`, stored as that
+    type (as llama.cpp's quantizer mixes types: Q4_K_M keeps attn_v at a higher precision)."""
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = model.config
@@ -63,7 +67,12 @@ def write_llama_gguf(model_dir: Path, path: Path) -> Path:
                 data = llama_cpp_permute(data, cfg.num_attention_heads)
             elif part == "self_attn.k_proj":
                 data = llama_cpp_permute(data, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+        qtype = (quant or {}).get(gguf_name.split(".")[-2])
+        if qtype is not None:
+            raw = gguf.quants.quantize(np.ascontiguousarray(data), qtype)
+            writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

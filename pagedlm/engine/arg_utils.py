@@ -58,6 +58,8 @@ _HELP: dict[str, str] = {
     "override_generation_config": "JSON dict merged over the generation config.",
     "enforce_eager": "Run the model eagerly (no torch.compile).",
     "load_format": "auto, safetensors, gguf or dummy (random weights).",
+    "quantization": "gguf (GGUF files: blocks kept packed, integer kernels; their default) or "
+    "int8 (weight-only, per-channel, for bf16/fp32 checkpoints).",
     "tensor_parallel_size": "Shard the model over this many worker processes (gloo on CPU).",
     "data_parallel_size": "Data-parallel engines are separate processes: see "
     "examples/data_parallel.py (VLLM_DP_RANK / VLLM_DP_SIZE).",
@@ -83,13 +85,13 @@ _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "prefix_caching_hash_algo": ("sha256",),
     "async_scheduling": (None, False),
     "distributed_executor_backend": (None, "uni", "mp"),
+    "quantization": (None, "gguf", "int8"),
     "compilation_config": (None, 0, {}),
 }
 
 # Options vLLM has that we accept only at their default value; anything else is rejected clearly.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "pipeline_parallel_size": 1,
-    "quantization": None,
     "enable_lora": False,
     "cpu_offload_gb": 0,
     "enable_prompt_embeds": False,
@@ -246,6 +248,7 @@ class EngineArgs:
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(__import__("torch"), checkpoint_dtype, None)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype)
+        quantization = self.resolve_quantization(resolved.gguf_file is not None)
 
         derived = derive_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived
@@ -287,6 +290,7 @@ class EngineArgs:
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
             gguf_file=resolved.gguf_file,
+            quantization=quantization,
             runner_type=runner,
             runner=self.runner,
             convert=self.convert,
@@ -346,6 +350,25 @@ class EngineArgs:
             return WeightTransferConfig(**value)
         except TypeError as e:
             raise ValueError(f"Invalid weight_transfer_config: {e}") from e
+
+    def resolve_quantization(self, is_gguf: bool) -> str | None:
+        """GGUF files default to "gguf" (PAGEDLM_GGUF_DEQUANTIZE=1: dequantized at load
+        instead); "int8" needs a bf16/fp32 checkpoint, "gguf" a GGUF file."""
+        if is_gguf:
+            if self.quantization == "int8":
+                raise ValueError(
+                    "quantization='int8' quantizes bf16/fp32 checkpoints; this model is a GGUF "
+                    "file, already quantized: use quantization='gguf' (its default)."
+                )
+            if self.quantization is None and envs.PAGEDLM_GGUF_DEQUANTIZE:
+                return None
+            return "gguf"
+        if self.quantization == "gguf":
+            raise ValueError(
+                "quantization='gguf' needs a .gguf model file; for a safetensors checkpoint "
+                "use quantization='int8' or None."
+            )
+        return self.quantization
 
     def create_parallel_config(self, hf_config: Any) -> ParallelConfig:
         """Check that the model shards over `tensor_parallel_size` ranks; pick the executor."""

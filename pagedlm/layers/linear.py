@@ -4,9 +4,10 @@ Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` th
 rank's part of a checkpoint tensor into the right rows. Under tensor parallelism,
 column-parallel layers hold a slice of the output rows and row-parallel layers a slice of the
 input columns, followed by an all-reduce (vLLM's Megatron-style split).
-After loading, `process_weights_after_loading` adds the platform's prepacked layout (oneDNN on
-CPU) and drops the dense weight unless the platform's small-batch kernel reads it; from then on
-the weights are final and only `linear` reads them.
+How a layer holds its weight and computes is its `quant_method` (layers/quantization): the
+unquantized method adds, after loading, the platform's prepacked layout (oneDNN on CPU) and
+the small-batch kernel's copy, and computes with `linear`; GGUF and int8 methods keep
+quantized weights. From `process_weights_after_loading` on the weights are final.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches go to the AMX kernel over
-    the dense weight, the rest to oneDNN. `weight` itself may be the prepacked layout."""
+    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches go to the small-batch
+    kernel (AMX over the dense weight, or AVX-512 BF16 over its blocked copy), the rest to
+    oneDNN. `weight` itself may be the prepacked layout."""
     if packed is not None:
         y = cpu_kernels.small_batch_linear(x, weight, bias)
         if y is not None:
@@ -45,12 +47,18 @@ def linear(
 def prepack_weight(module: nn.Module) -> torch.Tensor | None:
     """Prepack `module.weight` for `linear`; returns the copy to pass as `packed`, or None.
 
-    The dense weight survives only where the platform's small-batch kernel reads it; otherwise
-    the prepacked layout replaces `module.weight` (and None is returned).
+    Where the platform has a small-batch kernel, `module.weight` becomes the layout that kernel
+    reads (the dense weight for AMX, a blocked copy for AVX-512 BF16) and the prepacked copy is
+    returned; otherwise the prepacked layout replaces `module.weight` (and None is returned).
     """
     weight = module.weight.data
     packed = current_platform.prepack_linear_weight(weight)
-    if packed is None or current_platform.reads_dense_weight(weight):
+    if packed is None:
+        return None
+    small = current_platform.small_batch_weight(weight)
+    if small is not None:
+        if small is not weight:
+            module.weight = nn.Parameter(small, requires_grad=False)
         return packed
     module.weight = nn.Parameter(packed, requires_grad=False)
     return None
@@ -74,9 +82,11 @@ class LinearBase(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | None = None
+        self.params_dtype = torch.get_default_dtype()
+        from pagedlm.layers.quantization import get_linear_method
+
+        self.quant_method = get_linear_method()  # creates self.weight (and its loader)
+        self.quant_method.create_weights(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -89,10 +99,10 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = prepack_weight(self)
+        self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -138,8 +148,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        y = tensor_model_parallel_all_reduce(linear(x, self.weight, None, self.packed_weight))
+            return self.quant_method.apply(self, x, self.bias)
+        y = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
 

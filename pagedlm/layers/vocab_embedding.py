@@ -18,6 +18,7 @@ from pagedlm.distributed import (
     tensor_model_parallel_gather,
 )
 from pagedlm.layers.linear import default_weight_loader, linear, prepack_weight
+from pagedlm.layers.quantization import current_quantization
 from pagedlm.platforms import current_platform
 
 
@@ -63,18 +64,35 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding.
 
     A tied head keeps the embedding's dense weight for lookups and adds a prepacked copy.
+    Under quantization="gguf" an untied head is a GGUF linear (its rows: this rank's vocab).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.tied = False
         self.logits_weight: torch.Tensor | None = None  # prepacked copy of the dense weight
+        self.quant_method = None
+        if current_quantization() == "gguf":
+            from pagedlm.layers.quantization.gguf import GGUFLinearMethod
+
+            self.output_size, self.input_size = self.weight.shape
+            self.params_dtype = self.weight.dtype
+            self.quant_method = GGUFLinearMethod()
+            self.quant_method.create_weights(self)
 
     def tie_weights(self, embed: VocabParallelEmbedding) -> None:
         self.weight = embed.weight
         self.tied = True
+        self.quant_method = None
 
     def process_weights_after_loading(self) -> None:
+        if self.quant_method is not None:
+            held = sum(t.shape[0] for _, t in self.gguf_shards)
+            if held < self.output_size:  # padding rows past the vocabulary (TP)
+                pad = torch.zeros(self.output_size - held, self.input_size)
+                self.gguf_shards.append((held, pad))
+            self.quant_method.process_weights_after_loading(self)  # may become unquantized
+            return
         if self.tied:  # lookups need the dense weight: only add the packed copy
             self.logits_weight = current_platform.prepack_linear_weight(self.weight.data)
             return
@@ -83,7 +101,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (the sampler casts);
         None on tensor-parallel ranks other than the first (they only send their part)."""
-        logits = linear(hidden_states, self.weight, None, self.logits_weight)
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(self, hidden_states)
+        else:
+            logits = linear(hidden_states, self.weight, None, self.logits_weight)
         if self.tp_size == 1:
             return logits
         logits = tensor_model_parallel_gather(logits, dst=0, dim=-1)

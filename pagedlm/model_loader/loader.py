@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedlm.config import ModelConfig
+from pagedlm.layers.quantization import set_quantization
 from pagedlm.model_loader.reload import finalize_weights
 from pagedlm.model_loader.safetensors_loader import iterate_safetensors
 from pagedlm.models.registry import ModelRegistry
@@ -30,11 +31,14 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
 
 
 def iterate_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (name, tensor) pairs (GGUF dequantized, or safetensors)."""
+    """The checkpoint's (name, tensor) pairs: safetensors, or GGUF (packed blocks under
+    quantization="gguf", else dequantized)."""
     if model_config.gguf_file is not None:
         from pagedlm.model_loader.gguf_loader import iterate_gguf
 
-        return iterate_gguf(model_config.gguf_file, model_config.hf_config)
+        return iterate_gguf(
+            model_config.gguf_file, model_config.hf_config, model_config.quantization
+        )
     return iterate_safetensors(model_config.model_path)
 
 
@@ -44,7 +48,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         model_config.architecture, model_config.runner, model_config.convert
     )
     kwargs = {"model_dir": model_config.model_path} if model_config.runner_type == "pooling" else {}
-    with _default_dtype_and_device(model_config.dtype, device):
+    with (
+        set_quantization(model_config.quantization),
+        _default_dtype_and_device(model_config.dtype, device),
+    ):
         model = model_cls(model_config.hf_config, max_position=model_config.max_model_len, **kwargs)
     if model_config.load_format == "dummy":
         generator = torch.Generator().manual_seed(model_config.seed or 0)
@@ -55,9 +62,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     finalize_weights(model)  # prepacks; from now on load_weights is incremental
     model.eval()
     logger.info(
-        "Loaded %s (%s) in %.1fs",
+        "Loaded %s (%s, quantization %s) in %.1fs",
         model_config.architecture,
         model_config.dtype,
+        model_config.quantization,
         time.perf_counter() - start,
     )
     return model

@@ -81,19 +81,30 @@ class CpuPlatform(Platform):
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PREPACK_BATCH_HINT)
         return None
 
-    def reads_dense_weight(self, weight: torch.Tensor) -> bool:
-        """bf16 with AMX: decode batches stream the dense weight through the small-batch kernel
-        (oneDNN's prepacked copy serves prefill), at the price of holding both. Only while the
-        process stays under `_DENSE_COPY_RAM_FRACTION` of RAM with this copy: a model too big to
-        hold twice keeps the prepacked layout alone, and the KV cache keeps its room."""
+    def small_batch_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The copy of a bf16 weight that the small-batch kernel reads, held next to oneDNN's
+        prepacked one: the dense weight itself for AMX, the blocked layout for AVX-512 BF16
+        (`block_small_batch_weight`); None where no such kernel runs or the shape does not fit.
+        Only while the process stays under `_DENSE_COPY_RAM_FRACTION` of RAM with this copy: a
+        model too big to hold twice keeps the prepacked layout alone, and the KV cache keeps
+        its room."""
         if weight.dtype != torch.bfloat16:
-            return False
-        from pagedlm.kernels.cpu import small_batch_linear_supported
+            return None
+        from pagedlm.kernels.cpu import block_small_batch_weight, small_batch_linear_isa
 
-        if not small_batch_linear_supported():
-            return False
+        isa = small_batch_linear_isa()
+        if isa is None:
+            return None
         held = psutil.Process().memory_info().rss + weight.numel() * weight.element_size()
-        return held <= psutil.virtual_memory().total * _DENSE_COPY_RAM_FRACTION
+        if held > psutil.virtual_memory().total * _DENSE_COPY_RAM_FRACTION:
+            return None
+        return weight if isa == "amx" else block_small_batch_weight(weight)
+
+    def reads_dense_weight(self, weight: torch.Tensor) -> bool:
+        """Whether the small-batch kernel reads the dense weight itself (AMX) next to the
+        prepacked one; AVX-512 BF16 reads its own blocked copy (`small_batch_weight`)."""
+        small = self.small_batch_weight(weight)
+        return small is not None and small.dim() == 2
 
     def kv_cache_budget_bytes(self, utilization: float) -> int:
         """`utilization` of total RAM minus what this process already holds, as vLLM-CPU does."""

@@ -47,6 +47,11 @@ class Platform:
         or None to keep the dense weight."""
         return None
 
+    def small_batch_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The layout of an [out, in] weight a small-batch kernel reads next to the prepacked
+        one (the dense weight itself, or a kernel-specific copy), or None."""
+        return None
+
     def reads_dense_weight(self, weight: torch.Tensor) -> bool:
         """Whether a small-batch kernel needs the dense weight next to the prepacked one."""
         return False

@@ -273,12 +273,14 @@ static inline __attribute__((always_inline)) void attend_amx(
 }
 #endif
 
-void paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
-                            const int64_t* block_table, int64_t max_blocks,
-                            const int64_t* seq_lens, void* out, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                            int64_t block_size, float scale, int64_t window, int bf16,
-                            int num_threads) {
+// Returns 0 if a buffer could not be allocated (the output is then incomplete), else 1.
+int paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
+                           const int64_t* block_table, int64_t max_blocks,
+                           const int64_t* seq_lens, void* out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                           int64_t block_size, float scale, int64_t window, int bf16,
+                           int num_threads) {
+  int ok = 1;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
   int64_t max_len = 1;
@@ -298,10 +300,18 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
 #ifdef PAGEDLM_AMX
     uint16_t* qb = malloc(sizeof(uint16_t) * 16 * head_size);
     if (use_amx) amx_configure();
+    const int have = qf && acc && scores && row && qb;
+#else
+    const int have = qf && acc && scores && row;
 #endif
+    if (!have) {
+#pragma omp atomic write
+      ok = 0;
+    }
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t b = 0; b < num_seqs; b++) {
       for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+        if (!have) continue;
         const int64_t* table = block_table + b * max_blocks;
 #define ATTEND(D)                                                                              \
   attend(q, k_cache, v_cache, table, seq_lens[b], out, b, kh, num_heads, group, D, token_stride, \
@@ -344,4 +354,5 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
     free(scores);
     free(row);
   }
+  return ok;
 }
