@@ -103,17 +103,22 @@ def run_case(
         key = torch.cat([key, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
         value = torch.cat([value, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
 
-    backend = TorchSDPABackend()
-    metadata = backend.build(common, torch.device("cpu"))
-    scale = HEAD_SIZE**-0.5
-    out = backend.forward(query, key, value, kv_cache, metadata, scale, window)
-    assert out.shape == query.shape
-
     expected = torch.cat(
-        [reference_attention(q, k, v, scale, window) for q, k, v in zip(queries, full_k, full_v)]
+        [
+            reference_attention(q, k, v, HEAD_SIZE**-0.5, window)
+            for q, k, v in zip(queries, full_k, full_v)
+        ]
     )
     num_tokens = int(query_start_loc[-1])
-    torch.testing.assert_close(out[:num_tokens], expected, atol=ATOL, rtol=RTOL)
+    # the PyTorch path, then the C kernels (when built) on a fresh copy of the cache
+    cache_before_step = kv_cache.clone()
+    for use_c_kernel in (False, None):
+        kv_cache.copy_(cache_before_step)
+        backend = TorchSDPABackend(use_c_kernel=use_c_kernel)
+        metadata = backend.build(common, torch.device("cpu"))
+        out = backend.forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5, window)
+        assert out.shape == query.shape
+        torch.testing.assert_close(out[:num_tokens], expected, atol=ATOL, rtol=RTOL)
 
     # The new keys/values landed at their slots; nothing else in the cache changed.
     flat = kv_cache.view(2, -1, num_kv_heads, HEAD_SIZE)
