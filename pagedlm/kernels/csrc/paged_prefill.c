@@ -17,7 +17,8 @@
 
 #include "common.h"
 
-#define KT 16  // keys per tile (one vector of fp32 scores per row)
+#define KT 64  // keys per tile: four vectors of fp32 scores per row, so that the per-row
+              // reductions and rescaling of the online softmax are paid once per 64 keys
 
 typedef struct {
   const void *q, *k_cache, *v_cache;
@@ -117,14 +118,17 @@ static inline __attribute__((always_inline)) void pack_f32_avx512(const Args* a,
                                                                   int64_t hi, float* kt, float* vf,
                                                                   const int DV) {
   const int64_t d = 16 * DV;
-  for (int c = 0; c < DV; c++) {
-    __m512 r[16];
-    for (int j = 0; j < KT; j++)
-      r[j] = t0 + j < hi ? load16_kv(a->k_cache, row_offset(a, table, t0 + j, kh) + 16 * c,
-                                     a->kind, a->k_scale)
-                         : _mm512_setzero_ps();
-    transpose16(r);
-    for (int x = 0; x < 16; x++) _mm512_storeu_ps(kt + (16 * c + x) * KT, r[x]);
+  for (int kg = 0; kg < KT; kg += 16) {
+    for (int c = 0; c < DV; c++) {
+      __m512 r[16];
+      for (int j = 0; j < 16; j++)
+        r[j] = t0 + kg + j < hi ? load16_kv(a->k_cache,
+                                            row_offset(a, table, t0 + kg + j, kh) + 16 * c,
+                                            a->kind, a->k_scale)
+                                : _mm512_setzero_ps();
+      transpose16(r);
+      for (int x = 0; x < 16; x++) _mm512_storeu_ps(kt + (16 * c + x) * KT + kg, r[x]);
+    }
   }
   for (int j = 0; j < KT; j++) {
     const int valid = t0 + j < hi;
@@ -142,14 +146,16 @@ static inline __attribute__((always_inline)) void qk_f32_avx512(const float* qf,
                                                                 const int DV) {
   const int64_t d = 16 * DV;
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    __m512 s[8];
-    for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
-    for (int64_t x = 0; x < d; x++) {
-      const __m512 k = _mm512_loadu_ps(kt + x * KT);
-      for (int i = 0; i < 8; i++)
-        s[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(r0 + i) * d + x]), k, s[i]);
+    for (int kg = 0; kg < KT; kg += 16) {
+      __m512 s[8];
+      for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
+      for (int64_t x = 0; x < d; x++) {
+        const __m512 k = _mm512_loadu_ps(kt + x * KT + kg);
+        for (int i = 0; i < 8; i++)
+          s[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(r0 + i) * d + x]), k, s[i]);
+      }
+      for (int i = 0; i < 8; i++) _mm512_storeu_ps(p + (r0 + i) * KT + kg, s[i]);
     }
-    for (int i = 0; i < 8; i++) _mm512_storeu_ps(p + (r0 + i) * KT, s[i]);
   }
 }
 
@@ -157,18 +163,26 @@ static inline __attribute__((always_inline)) void qk_f32_avx512(const float* qf,
 static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_t jhi) {
   float* pr = s->p + r * KT;
   if (jlo > jhi) {
-    _mm512_storeu_ps(pr, _mm512_setzero_ps());
+    for (int kg = 0; kg < KT; kg += 16) _mm512_storeu_ps(pr + kg, _mm512_setzero_ps());
     s->alpha[r] = 1.f;
     return;
   }
-  const __mmask16 mask = (__mmask16)(((1u << (jhi + 1)) - 1) & ~((1u << jlo) - 1));
-  const __m512 sc = _mm512_loadu_ps(pr);
-  const float mx = _mm512_mask_reduce_max_ps(mask, sc);
-  const float m_new = mx > s->m[r] ? mx : s->m[r];
-  const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-  _mm512_storeu_ps(pr, e);
+  const uint64_t bits = (jhi >= 63 ? ~0ull : (1ull << (jhi + 1)) - 1) & ~((1ull << jlo) - 1);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int kg = 0; kg < KT; kg += 16)
+    mx = _mm512_mask_max_ps(mx, (__mmask16)(bits >> kg), mx, _mm512_loadu_ps(pr + kg));
+  const float tile_max = _mm512_reduce_max_ps(mx);
+  const float m_new = tile_max > s->m[r] ? tile_max : s->m[r];
+  const __m512 vm = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int kg = 0; kg < KT; kg += 16) {
+    const __m512 sc = _mm512_loadu_ps(pr + kg);
+    const __m512 e = _mm512_maskz_mov_ps((__mmask16)(bits >> kg), exp512(_mm512_sub_ps(sc, vm)));
+    _mm512_storeu_ps(pr + kg, e);
+    sum = _mm512_add_ps(sum, e);
+  }
   s->alpha[r] = expf(s->m[r] - m_new);
-  s->l[r] = s->l[r] * s->alpha[r] + _mm512_reduce_add_ps(e);
+  s->l[r] = s->l[r] * s->alpha[r] + _mm512_reduce_add_ps(sum);
   s->m[r] = m_new;
 }
 
@@ -218,20 +232,23 @@ static inline __attribute__((always_inline)) void pack_bf16(const Args* a, const
   const int64_t d = 16 * DV;
   int64_t off[KT];
   for (int j = 0; j < KT; j++) off[j] = t0 + j < hi ? row_offset(a, table, t0 + j, kh) : -1;
-  for (int c = 0; c < DV / 2; c++) {  // 32 dims = 16 pairs per key
-    __m512 r[16];
-    for (int j = 0; j < KT; j++) {
-      if (off[j] < 0) {
-        r[j] = _mm512_setzero_ps();
-        continue;
+  for (int kg = 0; kg < KT; kg += 16) {
+    for (int c = 0; c < DV / 2; c++) {  // 32 dims = 16 pairs per key
+      __m512 r[16];
+      for (int j = 0; j < 16; j++) {
+        const int64_t o = off[kg + j];
+        if (o < 0) {
+          r[j] = _mm512_setzero_ps();
+          continue;
+        }
+        const __m256i lo = load16_bf16_bits(a, a->k_cache, o + 32 * c, a->k_scale);
+        const __m256i hi16 = load16_bf16_bits(a, a->k_cache, o + 32 * c + 16, a->k_scale);
+        r[j] = _mm512_castsi512_ps(
+            _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi16, 1));  // 16 pairs of key j
       }
-      const __m256i lo = load16_bf16_bits(a, a->k_cache, off[j] + 32 * c, a->k_scale);
-      const __m256i hi16 = load16_bf16_bits(a, a->k_cache, off[j] + 32 * c + 16, a->k_scale);
-      r[j] = _mm512_castsi512_ps(
-          _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi16, 1));  // 16 pairs of key j
+      transpose16(r);
+      for (int x = 0; x < 16; x++) _mm512_storeu_ps((float*)kp + (16 * c + x) * KT + kg, r[x]);
     }
-    transpose16(r);
-    for (int x = 0; x < 16; x++) _mm512_storeu_ps((float*)kp + (16 * c + x) * KT, r[x]);
   }
   const __m512i lo_idx = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003,
                                            0x00240004, 0x00250005, 0x00260006, 0x00270007,
@@ -264,14 +281,18 @@ static inline __attribute__((always_inline)) void qk_bf16(const uint32_t* qb, co
   const int64_t dp = 8 * DV;  // pairs per row
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    __m512 s[8];
-    for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
-    for (int64_t x = 0; x < dp; x++) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + x * KT);
+    for (int kg = 0; kg < KT; kg += 16) {
+      __m512 s[8];
+      for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
+      for (int64_t x = 0; x < dp; x++) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + x * KT + kg);
+        for (int i = 0; i < 8; i++)
+          s[i] =
+              _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32((int)qb[(r0 + i) * dp + x]), k);
+      }
       for (int i = 0; i < 8; i++)
-        s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32((int)qb[(r0 + i) * dp + x]), k);
+        _mm512_storeu_ps(p + (r0 + i) * KT + kg, _mm512_mul_ps(s[i], vscale));
     }
-    for (int i = 0; i < 8; i++) _mm512_storeu_ps(p + (r0 + i) * KT, _mm512_mul_ps(s[i], vscale));
   }
 }
 
@@ -280,8 +301,9 @@ static inline __attribute__((always_inline)) void pv_bf16(Scratch* s, const uint
   const int64_t d = 16 * DV;
   const int RB = DV <= 8 ? 2 : 1;
   for (int64_t r = 0; r < rows; r++)  // probabilities as bf16 pairs
-    _mm256_storeu_si256((__m256i*)(s->pb + r * (KT / 2)),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->p + r * KT)));
+    for (int kg = 0; kg < KT; kg += 16)
+      _mm256_storeu_si256((__m256i*)(s->pb + r * (KT / 2) + kg / 2),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->p + r * KT + kg)));
   for (int64_t r0 = 0; r0 < rows; r0 += RB) {
     __m512 acc[2][16];
     for (int i = 0; i < RB; i++) {
