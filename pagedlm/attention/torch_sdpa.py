@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.attention.backend import AttentionBackend, CommonAttentionMetadata
-from pagedlm.kernels.cpu import cpu_kernels, paged_decode_attention, paged_prefill_attention
+from pagedlm.kernels.cpu import cpu_kernels
+from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
 
 
 @dataclass

@@ -1,8 +1,6 @@
 """Small C/OpenMP kernels for the CPU, compiled once with the system gcc into the cache dir.
 
-- `paged_decode_attention`: decode rows read K/V straight from the paged cache through the
-  block table (no gather copy), parallel over (sequence, kv head); AMX scores and AVX-512
-  softmax/values where the compiler targets them, portable C otherwise.
+- Paged attention (decode and prefill): see `cpu_attention.py`.
 - `argmax_rows`: greedy sampling on bf16/fp32 logits (torch's bf16 argmax is 6x slower).
 - `rms_norm` (with the residual add), `silu_and_mul`, `rotary_embedding`: one pass over the
   activations instead of several PyTorch element-wise ops.
@@ -35,18 +33,6 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    # q, k_cache, v_cache, block_table, max_blocks, seq_lens, out, num_seqs, num_heads,
-    # num_kv_heads, head_size, block_size, scale, window, bf16, num_threads
-    "paged_decode_attention": [_ptr] * 4
-    + [_i64, _ptr, _ptr]
-    + [_i64] * 5
-    + [_f32, _i64, _int, _int],
-    # q, q_stride, k_cache, v_cache, block_table, max_blocks, query_start_loc, seq_lens, out,
-    # num_reqs, num_heads, num_kv_heads, head_size, block_size, scale, window, bf16, kv kind,
-    # k_scale, v_scale, num_threads -> 0, or -1 when out of memory
-    "paged_prefill_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
-    + [_i64] * 5
-    + [_f32, _i64, _int, _int, _f32, _f32, _int],
     "argmax_rows": [_ptr, _i64, _i64, _int, _ptr, _int],
     # x, residual, weight, out, rows, hidden, eps, offset, bf16, num_threads
     "rms_norm": [_ptr] * 4 + [_i64, _i64, _f32, _f32, _int, _int],
@@ -58,7 +44,7 @@ _SIGNATURES = {
     "small_batch_linear": [_ptr] * 4 + [_i64] * 3 + [_int],
     "small_batch_linear_supported": [],
 }
-_RETURNS_INT = ("small_batch_linear", "small_batch_linear_supported", "paged_prefill_attention")
+_RETURNS_INT = ("small_batch_linear", "small_batch_linear_supported")
 SMALL_BATCH_ROWS = 64  # up to here the AMX kernel streams weights faster than oneDNN
 
 
@@ -112,10 +98,12 @@ def cpu_kernels() -> ctypes.CDLL | None:
     except OSError as e:
         logger.warning("C kernels unavailable, using PyTorch paths: %s", e)
         return None
-    for name, argtypes in _SIGNATURES.items():
+    from pagedlm.kernels.cpu_attention import RETURNS_INT, SIGNATURES
+
+    for name, argtypes in {**_SIGNATURES, **SIGNATURES}.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name in _RETURNS_INT else None
+        fn.restype = ctypes.c_int if name in _RETURNS_INT + RETURNS_INT else None
     return lib
 
 
@@ -129,135 +117,10 @@ def kernels_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     return cpu_kernels()
 
 
-def _is_bf16(t: torch.Tensor) -> int:
+def is_bf16(t: torch.Tensor) -> int:
     if t.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"C kernels take bf16 or fp32 tensors, got {t.dtype}")
     return int(t.dtype == torch.bfloat16)
-
-
-def paged_decode_attention(
-    lib: ctypes.CDLL,
-    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [num_seqs, max_blocks] int64
-    seq_lens: torch.Tensor,  # [num_seqs] int64
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    query = query.contiguous()
-    block_table = block_table.contiguous()
-    out = torch.empty_like(query)
-    num_seqs, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    lib.paged_decode_attention(
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_table.data_ptr(),
-        block_table.shape[1],
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_size,
-        block_size,
-        scale,
-        sliding_window or 0,
-        _is_bf16(query),
-        torch.get_num_threads(),
-    )
-    return out
-
-
-# The cache's element kinds as the kernels number them (KV_* in csrc/common.h).
-KV_CACHE_KINDS = {
-    torch.float32: 0,
-    torch.bfloat16: 1,
-    torch.float8_e4m3fn: 2,
-    torch.float8_e5m2: 3,
-}
-
-
-def _check_paged_inputs(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor
-) -> int:
-    """Shapes, dtypes and layouts the attention kernels read by pointer; returns the kv kind."""
-    _is_bf16(query)
-    if query.dim() != 3 or query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-        raise ValueError("query must be [tokens, heads, head_size] with contiguous heads")
-    if k_cache.dtype not in KV_CACHE_KINDS or v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"unsupported KV cache dtypes {k_cache.dtype}, {v_cache.dtype}")
-    if k_cache.dtype.itemsize >= 2 and k_cache.dtype != query.dtype:
-        raise TypeError(f"a {k_cache.dtype} cache needs {k_cache.dtype} queries, not {query.dtype}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != query.shape[2]:
-        raise ValueError("caches must be [num_blocks, block_size, kv_heads, head_size], alike")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
-    if query.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError("num_heads must be a multiple of num_kv_heads")
-    if block_table.dtype != torch.int64 or block_table.dim() != 2:
-        raise TypeError("block_table must be a 2-D int64 tensor")
-    return KV_CACHE_KINDS[k_cache.dtype]
-
-
-def paged_prefill_attention(
-    lib: ctypes.CDLL,
-    query: torch.Tensor,  # [tokens, num_heads, head_size], rows may be strided
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [num_reqs, max_blocks] int64
-    query_start_loc: torch.Tensor,  # [num_reqs + 1] int64, rows of `query`
-    seq_lens: torch.Tensor,  # [num_reqs] int64, tokens in the cache including these rows
-    scale: float,
-    sliding_window: int | None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Causal (bottom-right aligned) attention of each request's query rows over its cached
-    sequence, read through the block table with a tiled online softmax (csrc/paged_prefill.c).
-    The rows' own keys must already be in the cache. Rows outside query_start_loc are left
-    uninitialized in the result."""
-    kind = _check_paged_inputs(query, k_cache, v_cache, block_table)
-    block_table = block_table.contiguous()
-    num_reqs = block_table.shape[0]
-    for name, t, n in (
-        ("query_start_loc", query_start_loc, num_reqs + 1),
-        ("seq_lens", seq_lens, num_reqs),
-    ):
-        if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (n,):
-            raise ValueError(f"{name} must be a contiguous int64 tensor of {n} entries")
-    if num_reqs and int(query_start_loc[-1]) > query.shape[0]:
-        raise ValueError("query_start_loc reaches past the query rows")
-    out = torch.empty(query.shape, dtype=query.dtype)
-    _, block_size, num_kv_heads, head_size = k_cache.shape
-    rc = lib.paged_prefill_attention(
-        query.data_ptr(),
-        query.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_table.data_ptr(),
-        block_table.shape[1],
-        query_start_loc.data_ptr(),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_reqs,
-        query.shape[1],
-        num_kv_heads,
-        head_size,
-        block_size,
-        scale,
-        sliding_window or 0,
-        _is_bf16(query),
-        kind,
-        k_scale,
-        v_scale,
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise MemoryError("paged_prefill_attention could not allocate its scratch memory")
-    return out
 
 
 def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
@@ -268,7 +131,7 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
         logits.data_ptr(),
         logits.shape[0],
         logits.shape[1],
-        _is_bf16(logits),
+        is_bf16(logits),
         out.data_ptr(),
         torch.get_num_threads(),
     )
@@ -297,7 +160,7 @@ def rms_norm(
         hidden,
         eps,
         offset,
-        _is_bf16(x),
+        is_bf16(x),
         torch.get_num_threads(),
     )
     return out
@@ -309,7 +172,7 @@ def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], d)
     lib.silu_and_mul(
-        x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, _is_bf16(x), torch.get_num_threads()
+        x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, is_bf16(x), torch.get_num_threads()
     )
     return out
 
@@ -338,7 +201,7 @@ def rotary_embedding(
         key.stride(0),
         head_size,
         cos_cache.shape[1],
-        _is_bf16(query),
+        is_bf16(query),
         torch.get_num_threads(),
     )
 

@@ -307,7 +307,8 @@ def test_c_decode_kernel_matches_torch_path(dtype, window, d, heads, block_size)
     Head size 16 takes the portable C loop; 64, 128 and 256 the AVX-512 one, and with bf16,
     at most 16 heads per kv head and blocks of 16k slots, AMX scores, where compiled in.
     """
-    from pagedlm.kernels.cpu import cpu_kernels, paged_decode_attention
+    from pagedlm.kernels.cpu import cpu_kernels
+    from pagedlm.kernels.cpu_attention import paged_decode_attention
 
     kernel = cpu_kernels()
     if kernel is None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedlm.kernels.cpu import cpu_kernels, paged_prefill_attention
+from pagedlm.kernels.cpu import cpu_kernels
+from pagedlm.kernels.cpu_attention import paged_prefill_attention
 
 lib = cpu_kernels()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: PyTorch paths only")
