@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagedlm.attention.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv
 from pagedlm.kernels.cpu import cpu_kernels
 from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
 
@@ -157,19 +158,37 @@ class TorchSDPABackend(AttentionBackend):
         metadata: SDPAMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        """`k_scale`/`v_scale`: the per-tensor scales of an fp8 cache (ignored otherwise)."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
         flat_k = k_cache.view(-1, num_kv_heads, head_size)
         flat_v = v_cache.view(-1, num_kv_heads, head_size)
         num_tokens = metadata.slot_mapping.shape[0]
-        flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
-        flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
+        fp8 = is_fp8(kv_cache.dtype)
+        if fp8:  # torch has no fp8 index_copy_ on the CPU: copy the bytes
+            slots = metadata.slot_mapping
+            qk = quantize_kv(key[:num_tokens], k_scale, kv_cache.dtype)
+            qv = quantize_kv(value[:num_tokens], v_scale, kv_cache.dtype)
+            flat_k.view(torch.uint8).index_copy_(0, slots, qk.view(torch.uint8))
+            flat_v.view(torch.uint8).index_copy_(0, slots, qv.view(torch.uint8))
+            # the PyTorch path attends what the cache holds, as the kernels do
+            key, value = (
+                dequantize_kv(qk, k_scale, key.dtype),
+                dequantize_kv(qv, v_scale, key.dtype),
+            )
+        else:
+            flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
+            flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
 
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(query[:nd], k_cache, v_cache, metadata, scale, sliding_window)
+            out[:nd] = self._decode(
+                query[:nd], k_cache, v_cache, metadata, scale, sliding_window, k_scale, v_scale
+            )
         if self._use_kernels(query) and metadata.prefill_query_start_loc is not None:
             assert metadata.prefill_seq_lens is not None
             assert metadata.prefill_block_table is not None
@@ -183,6 +202,8 @@ class TorchSDPABackend(AttentionBackend):
                 metadata.prefill_seq_lens,
                 scale,
                 sliding_window,
+                k_scale,
+                v_scale,
             )
             return out
         for group in metadata.fresh_groups:
@@ -194,6 +215,7 @@ class TorchSDPABackend(AttentionBackend):
             ids = chunk.block_ids[:nb]
             k = k_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
             v = v_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
+            k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
             mask = causal_mask(n, chunk.seq_len, sliding_window, query.device)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
@@ -209,12 +231,23 @@ class TorchSDPABackend(AttentionBackend):
         metadata: SDPAMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
         table, lens = metadata.decode_block_table, metadata.decode_seq_lens
         assert table is not None and lens is not None
         if self._use_kernels(query):
             return paged_decode_attention(
-                self.kernels, query, k_cache, v_cache, table, lens, scale, sliding_window
+                self.kernels,
+                query,
+                k_cache,
+                v_cache,
+                table,
+                lens,
+                scale,
+                sliding_window,
+                k_scale,
+                v_scale,
             )
         max_len = metadata.max_decode_seq_len
         block_size = k_cache.shape[1]
@@ -222,6 +255,7 @@ class TorchSDPABackend(AttentionBackend):
         # [nd, max_blocks, block_size, kv_heads, d] -> [nd, kv_heads, max_len, d]
         k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
         v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
         o = F.scaled_dot_product_attention(
             query.unsqueeze(2),
             k,

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedlm.attention.kv_cache_dtype import check_kv_cache_dtype
 from pagedlm.config import (
     CacheConfig,
     ModelConfig,
@@ -39,6 +40,7 @@ _HELP: dict[str, str] = {
     "max_num_seqs": "Most requests running at once.",
     "max_num_batched_tokens": "Token budget of one engine step (prefill chunks + decodes).",
     "block_size": "Tokens per KV cache block.",
+    "kv_cache_dtype": "auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 (half the KV memory).",
     "kv_cache_memory_bytes": "KV cache size in bytes (default: a fraction of RAM).",
     "gpu_memory_utilization": "Fraction of device memory (RAM on CPU) the engine may use.",
     "num_gpu_blocks_override": "Force the number of KV blocks (testing preemption).",
@@ -64,7 +66,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "speculative_config": None,
     "cpu_offload_gb": 0,
     "enable_prompt_embeds": False,
-    "kv_cache_dtype": "auto",
 }
 
 
@@ -134,6 +135,7 @@ class EngineArgs:
                     f"{name}={getattr(self, name)!r} is not supported by pagedlm yet "
                     f"(only {default!r}); see the README's list of supported features."
                 )
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.convert not in ("auto", "none", "embed", "classify"):
             raise ValueError(
                 f"convert must be auto, none, embed or classify, got {self.convert!r}."
@@ -254,6 +256,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs or 256,

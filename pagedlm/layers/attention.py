@@ -35,6 +35,9 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.attn_type = attn_type  # "decoder" (causal, paged KV) or "encoder_only"
         self.kv_cache: torch.Tensor = torch.empty(0)
+        # per-tensor scales of an fp8 KV cache (vLLM's k_scale / v_scale), 1.0 unless calibrated
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -57,5 +60,7 @@ class Attention(nn.Module):
             get_attn_metadata(),
             self.scale,
             self.sliding_window,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)

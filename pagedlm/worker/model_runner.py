@@ -11,6 +11,7 @@ import logging
 import torch
 
 from pagedlm.attention.backend import get_attn_backend
+from pagedlm.attention.kv_cache_dtype import kv_cache_torch_dtype
 from pagedlm.config import VllmConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -43,8 +44,12 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
 
     # ---------------------------------------------------------------- KV cache
+    def _kv_cache_dtype(self) -> torch.dtype:
+        kv_cache_dtype = self.vllm_config.cache_config.kv_cache_dtype
+        return kv_cache_torch_dtype(kv_cache_dtype, self.model_config.dtype)
+
     def get_kv_cache_bytes_per_block(self, block_size: int) -> int:
-        itemsize = torch.empty(0, dtype=self.model_config.dtype).element_size()
+        itemsize = self._kv_cache_dtype().itemsize
         return sum(
             2 * block_size * layer.num_kv_heads * layer.head_size * itemsize
             for layer in self.attn_layers
@@ -59,7 +64,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-            cache = current_platform.zeros_lazy(shape, self.model_config.dtype)
+            cache = current_platform.zeros_lazy(shape, self._kv_cache_dtype())
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
