@@ -11,7 +11,8 @@ with the prefix cache off), `long` (8 prompts x 4096 in / 64 out) and `long-sing
 16000 in / 32 out); the long workloads fix their own lengths and raise --max-model-len to fit.
 `--kv-cache-dtype fp8` runs pagedlm (and vLLM) with an fp8 KV cache. All requests use greedy
 decoding with ignore_eos, so every backend produces exactly the requested number of tokens.
-Prints a table with ratios to pagedlm; `--rounds N` runs the backends N times in turns and shows each one's median round.
+Prints a table with ratios to pagedlm; `--rounds N` runs the backends N times in turns and
+shows each one's median round.
 """
 
 from __future__ import annotations
