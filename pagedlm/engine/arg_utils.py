@@ -41,6 +41,7 @@ _HELP: dict[str, str] = {
     "max_num_batched_tokens": "Token budget of one engine step (prefill chunks + decodes).",
     "block_size": "Tokens per KV cache block.",
     "kv_cache_dtype": "auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 (half the KV memory).",
+    "calculate_kv_scales": "fp8 KV cache: per-layer k/v scales from the first batch's maxima.",
     "kv_cache_memory_bytes": "KV cache size in bytes (default: a fraction of RAM).",
     "gpu_memory_utilization": "Fraction of device memory (RAM on CPU) the engine may use.",
     "num_gpu_blocks_override": "Force the number of KV blocks (testing preemption).",
@@ -120,6 +121,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enable_lora: bool = False
     speculative_config: dict[str, Any] | None = None
     cpu_offload_gb: float = 0
@@ -257,6 +259,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs or 256,

@@ -66,6 +66,7 @@ class ModelRunner:
             shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
             cache = current_platform.zeros_lazy(shape, self._kv_cache_dtype())
             layer.kv_cache = cache
+            layer.calculate_kv_scales = self.vllm_config.cache_config.calculate_kv_scales
             self.kv_caches.append(cache)
 
     # -------------------------------------------------------------------- step

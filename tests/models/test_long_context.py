@@ -104,15 +104,26 @@ def _prompt_logprobs(llm: LLM, sequences: list[list[int]]) -> list[torch.Tensor]
     ]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_fp8_kv_cache_logprob_drift_is_bounded(tiny_model_factory, kv_cache_dtype) -> None:
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "calculate_kv_scales"),
+    [("fp8", False), ("fp8_e5m2", False), ("fp8", True)],
+)
+def test_fp8_kv_cache_logprob_drift_is_bounded(
+    tiny_model_factory, kv_cache_dtype, calculate_kv_scales
+) -> None:
     """Teacher-forced logprobs over 300-500-token sequences: an fp8 cache stays within a bounded
     distance of the fp32 one (e4m3 keeps 3 mantissa bits, e5m2 2)."""
     model_dir = tiny_model_factory("llama", head_dim=64)
     sequences = [p + [7, 8, 9] for p in _prompts()]
     memory = dict(kv_cache_memory_bytes=8 << 20)
     exact_llm = LLM(str(model_dir), **memory, **LLM_KWARGS)
-    fp8_llm = LLM(str(model_dir), kv_cache_dtype=kv_cache_dtype, **memory, **LLM_KWARGS)
+    fp8_llm = LLM(
+        str(model_dir),
+        kv_cache_dtype=kv_cache_dtype,
+        calculate_kv_scales=calculate_kv_scales,
+        **memory,
+        **LLM_KWARGS,
+    )
     # fp32 model: a quarter of the bytes per block, four times the blocks in the same memory
     blocks = [x.llm_engine.cache_config.num_gpu_blocks for x in (exact_llm, fp8_llm)]
     assert blocks[1] == 4 * blocks[0]
@@ -123,3 +134,6 @@ def test_fp8_kv_cache_logprob_drift_is_bounded(tiny_model_factory, kv_cache_dtyp
     bound = 0.06 if kv_cache_dtype == "fp8" else 0.12
     assert diff.max() < bound and diff.mean() < bound / 5, (diff.max(), diff.mean())
     assert diff.max() > 0  # the cache really was fp8
+    if calculate_kv_scales:  # the scales changed what the cache holds
+        plain = LLM(str(model_dir), kv_cache_dtype=kv_cache_dtype, **memory, **LLM_KWARGS)
+        assert not torch.equal(torch.cat(_prompt_logprobs(plain, sequences)), torch.cat(approx))

@@ -9,6 +9,7 @@ import torch
 
 from pagedlm.attention.backend import CommonAttentionMetadata
 from pagedlm.attention.kv_cache_dtype import (
+    calculate_kv_scales,
     dequantize_kv,
     kv_cache_torch_dtype,
     quantize_kv,
@@ -38,6 +39,13 @@ def test_engine_args_accept_fp8_and_reject_unknown() -> None:
     assert EngineArgs(kv_cache_dtype="fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(kv_cache_dtype="fp4")
+
+
+def test_calculate_kv_scales_from_batch_maxima() -> None:
+    k = torch.tensor([[1.0, -400.0], [3.0, 2.0]]).bfloat16()
+    v = torch.tensor([0.5, -0.25, 0.125])
+    assert calculate_kv_scales(k, v) == (2.0, 0.005)
+    assert calculate_kv_scales(torch.zeros(3), torch.zeros(3)) == (1.0, 1.0)
 
 
 @pytest.mark.parametrize("dtype", FP8)

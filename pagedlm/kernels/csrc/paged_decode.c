@@ -381,9 +381,10 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
   {
     float* qf = malloc(sizeof(float) * group * head_size);
     float* acc = malloc(sizeof(float) * group * head_size);
-    // token-major scores: 16 heads wide (AMX) or group rounded up to 8, 16 rows of slack
+    // token-major scores: 16 heads wide (AMX) or group rounded up to 8; 32 rows of slack, as
+    // AMX scores whole aligned runs of 16 from below a split's start to above its end
     const int64_t width = group <= 16 ? 16 : (group + 7) & ~(int64_t)7;
-    float* scores = malloc(sizeof(float) * width * (max_piece + 16));
+    float* scores = malloc(sizeof(float) * width * (max_piece + 32));
     float* row = malloc(sizeof(float) * head_size);
 #ifdef PAGEDLM_AMX
     uint16_t* qb = malloc(sizeof(uint16_t) * 16 * head_size);
