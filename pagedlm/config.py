@@ -144,6 +144,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8 cache: k/v scales from the first batch (vLLM's)
     num_gpu_blocks: int | None = None
 
 

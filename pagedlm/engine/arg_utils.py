@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedlm import envs
+from pagedlm.attention.kv_cache_dtype import check_kv_cache_dtype
 from pagedlm.config import (
     CacheConfig,
     ModelConfig,
@@ -45,6 +46,8 @@ _HELP: dict[str, str] = {
     "max_num_seqs": "Most requests running at once.",
     "max_num_batched_tokens": "Token budget of one engine step (prefill chunks + decodes).",
     "block_size": "Tokens per KV cache block.",
+    "kv_cache_dtype": "auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 (half the KV memory).",
+    "calculate_kv_scales": "fp8 KV cache: per-layer k/v scales from the first batch's maxima.",
     "kv_cache_memory_bytes": "KV cache size in bytes (default: a fraction of RAM).",
     "gpu_memory_utilization": "Fraction of device memory (RAM on CPU) the engine may use.",
     "num_gpu_blocks_override": "Force the number of KV blocks (testing preemption).",
@@ -95,7 +98,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "enable_lora": False,
     "cpu_offload_gb": 0,
     "enable_prompt_embeds": False,
-    "kv_cache_dtype": "auto",
 }
 
 
@@ -150,6 +152,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enable_lora: bool = False
     speculative_config: dict[str, Any] | None = None
     cpu_offload_gb: float = 0
@@ -180,6 +183,7 @@ class EngineArgs:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
             )
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.convert not in ("auto", "none", "embed", "classify"):
             raise ValueError(
                 f"convert must be auto, none, embed or classify, got {self.convert!r}."
@@ -305,6 +309,8 @@ class EngineArgs:
             if self.kv_cache_memory_bytes is not None or envs.VLLM_CPU_KVCACHE_SPACE is None
             else int(envs.VLLM_CPU_KVCACHE_SPACE * 2**30),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs or 256,

@@ -1,8 +1,6 @@
 """Small C/OpenMP kernels for the CPU, compiled once with the system gcc into the cache dir.
 
-- `paged_decode_attention`: decode rows read K/V straight from the paged cache through the
-  block table (no gather copy), parallel over (sequence, kv head); AMX scores and AVX-512
-  softmax/values where the compiler targets them, portable C otherwise.
+- Paged attention (decode and prefill): see `cpu_attention.py`.
 - `argmax_rows`: greedy sampling on bf16/fp32 logits (torch's bf16 argmax is 6x slower).
 - `rms_norm` (with the residual add), `silu_and_mul`, `rotary_embedding`: one pass over the
   activations instead of several PyTorch element-wise ops.
@@ -136,6 +134,8 @@ def cpu_kernels() -> ctypes.CDLL | None:
     except OSError as e:
         logger.warning("C kernels unavailable, using PyTorch paths: %s", e)
         return None
+    import pagedlm.kernels.cpu_attention  # noqa: F401  (declares the attention prototypes)
+
     for name in _SIGNATURES:
         _bind(lib, name)
     _loaded.append(lib)
@@ -155,7 +155,7 @@ def kernels_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
 _FLOATS = (torch.bfloat16, torch.float32)
 
 
-def _is_bf16(t: torch.Tensor) -> int:
+def is_bf16(t: torch.Tensor) -> int:
     if t.dtype not in _FLOATS:
         raise TypeError(f"C kernels take bf16 or fp32 tensors, got {t.dtype}")
     return int(t.dtype == torch.bfloat16)
@@ -171,59 +171,6 @@ def _ok(fn: str, status: int) -> None:
         raise MemoryError(f"C kernel {fn}: out of memory")
 
 
-declare(
-    "paged_decode_attention",
-    # q, k_cache, v_cache, block_table, max_blocks, seq_lens, out, num_seqs, num_heads,
-    # num_kv_heads, head_size, block_size, scale, window, bf16, num_threads -> 0 if OOM
-    [_ptr] * 4 + [_i64, _ptr, _ptr] + [_i64] * 5 + [_f32, _i64, _int, _int],
-    _int,
-)
-
-
-def paged_decode_attention(
-    lib: ctypes.CDLL,
-    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [num_seqs, max_blocks] int64
-    seq_lens: torch.Tensor,  # [num_seqs] int64
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    fn = "paged_decode_attention"
-    query = query.contiguous()
-    block_table = block_table.contiguous()
-    out = torch.empty_like(query)
-    num_seqs, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    status = lib.paged_decode_attention(
-        checked(fn, "query", query, _FLOATS),
-        checked(
-            fn,
-            "k_cache",
-            k_cache,
-            query.dtype,
-            (k_cache.shape[0], block_size, num_kv_heads, head_size),
-        ),
-        checked(fn, "v_cache", v_cache, query.dtype, tuple(k_cache.shape)),
-        checked(fn, "block_table", block_table, torch.int64, (num_seqs, block_table.shape[1])),
-        block_table.shape[1],
-        checked(fn, "seq_lens", seq_lens.contiguous(), torch.int64, (num_seqs,)),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_size,
-        block_size,
-        scale,
-        sliding_window or 0,
-        _is_bf16(query),
-        _threads(),
-    )
-    _ok(fn, status)
-    return out
-
-
 declare("argmax_rows", [_ptr, _i64, _i64, _int, _ptr, _int])  # logits, rows, vocab, bf16, out
 
 
@@ -237,7 +184,7 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
         checked("argmax_rows", "logits", logits, _FLOATS),
         logits.shape[0],
         logits.shape[1],
-        _is_bf16(logits),
+        is_bf16(logits),
         out.data_ptr(),
         _threads(),
     )
@@ -270,7 +217,7 @@ def rms_norm(
         hidden,
         eps,
         offset,
-        _is_bf16(x),
+        is_bf16(x),
         _threads(),
     )
     _ok(fn, status)
@@ -286,7 +233,7 @@ def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], d)
     ptr = checked("silu_and_mul", "x", x, _FLOATS)
-    status = lib.silu_and_mul(ptr, out.data_ptr(), x.numel() // (2 * d), d, _is_bf16(x), _threads())
+    status = lib.silu_and_mul(ptr, out.data_ptr(), x.numel() // (2 * d), d, is_bf16(x), _threads())
     _ok("silu_and_mul", status)
     return out
 
@@ -326,7 +273,7 @@ def rotary_embedding(
         key.stride(0),
         head_size,
         cos_cache.shape[1],
-        _is_bf16(query),
+        is_bf16(query),
         _threads(),
     )
     _ok(fn, status)

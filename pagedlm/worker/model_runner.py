@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagedlm.attention.backend import get_attn_backend
+from pagedlm.attention.kv_cache_dtype import kv_cache_torch_dtype
 from pagedlm.config import VllmConfig
 from pagedlm.core.kv_cache_manager import cdiv
 from pagedlm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -64,8 +65,12 @@ class ModelRunner:
         )
 
     # ---------------------------------------------------------------- KV cache
+    def _kv_cache_dtype(self) -> torch.dtype:
+        kv_cache_dtype = self.vllm_config.cache_config.kv_cache_dtype
+        return kv_cache_torch_dtype(kv_cache_dtype, self.model_config.dtype)
+
     def get_kv_cache_bytes_per_block(self, block_size: int) -> int:
-        itemsize = torch.empty(0, dtype=self.model_config.dtype).element_size()
+        itemsize = self._kv_cache_dtype().itemsize
         return sum(
             2 * block_size * layer.num_kv_heads * layer.head_size * itemsize
             for layer in self.attn_layers
@@ -84,8 +89,9 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-            cache = current_platform.zeros_lazy(shape, self.model_config.dtype)
+            cache = current_platform.zeros_lazy(shape, self._kv_cache_dtype())
             layer.kv_cache = cache
+            layer.calculate_kv_scales = self.vllm_config.cache_config.calculate_kv_scales
             self.kv_caches.append(cache)
 
     # -------------------------------------------------------------------- step

@@ -102,17 +102,22 @@ def run_case(
         key = torch.cat([key, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
         value = torch.cat([value, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
 
-    backend = TorchSDPABackend()
-    metadata = backend.build(common, torch.device("cpu"))
-    scale = HEAD_SIZE**-0.5
-    out = backend.forward(query, key, value, kv_cache, metadata, scale, window)
-    assert out.shape == query.shape
-
     expected = torch.cat(
-        [reference_attention(q, k, v, scale, window) for q, k, v in zip(queries, full_k, full_v)]
+        [
+            reference_attention(q, k, v, HEAD_SIZE**-0.5, window)
+            for q, k, v in zip(queries, full_k, full_v)
+        ]
     )
     num_tokens = int(query_start_loc[-1])
-    torch.testing.assert_close(out[:num_tokens], expected, atol=ATOL, rtol=RTOL)
+    # the PyTorch path, then the C kernels (when built) on a fresh copy of the cache
+    cache_before_step = kv_cache.clone()
+    for use_c_kernel in (False, None):
+        kv_cache.copy_(cache_before_step)
+        backend = TorchSDPABackend(use_c_kernel=use_c_kernel)
+        metadata = backend.build(common, torch.device("cpu"))
+        out = backend.forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5, window)
+        assert out.shape == query.shape
+        torch.testing.assert_close(out[:num_tokens], expected, atol=ATOL, rtol=RTOL)
 
     # The new keys/values landed at their slots; nothing else in the cache changed.
     flat = kv_cache.view(2, -1, num_kv_heads, HEAD_SIZE)
@@ -317,7 +322,8 @@ def test_c_decode_kernel_matches_torch_path(dtype, window, d, heads, block_size)
     Head size 16 takes the portable C loop; 64, 128 and 256 the AVX-512 one, and with bf16,
     at most 16 heads per kv head and blocks of 16k slots, AMX scores, where compiled in.
     """
-    from pagedlm.kernels.cpu import cpu_kernels, paged_decode_attention
+    from pagedlm.kernels.cpu import cpu_kernels
+    from pagedlm.kernels.cpu_attention import paged_decode_attention
 
     kernel = cpu_kernels()
     if kernel is None:
