@@ -266,6 +266,13 @@ class EngineArgs:
         return VllmConfig(model_config, cache_config, scheduler_config, self.disable_log_stats)
 
 
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs of the asynchronous engine: adds vLLM's request-logging switch."""
+
+    enable_log_requests: bool = False
+
+
 class FlexibleArgumentParser(argparse.ArgumentParser):
     """ArgumentParser that also accepts `--snake_case` spellings and `--flag=value`."""
 
