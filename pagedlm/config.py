@@ -157,9 +157,23 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Process layout; pagedlm runs one engine process (EngineArgs rejects other sizes)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     disable_log_stats: bool = False
     device: str = field(default_factory=lambda: os.environ.get("PAGEDLM_DEVICE", "auto"))
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

@@ -120,6 +120,8 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     speculative_config: dict[str, Any] | None = None
     cpu_offload_gb: float = 0
     enable_prompt_embeds: bool = False
