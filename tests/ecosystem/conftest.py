@@ -42,12 +42,13 @@ def alias_target(tmp_path_factory) -> Path:
 def run_client(alias_target):
     """run_client(code, timeout=...) -> CompletedProcess; raises with its output if it failed."""
 
-    def run(code: str, timeout: float = 600, cwd: Path | None = None, args=()) -> str:
+    def run(code: str | Path, timeout: float = 600, cwd: Path | None = None, args=()) -> str:
+        """Run `code` (source text, or a script Path) with the alias importable; its stdout."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(alias_target), str(REPO)])
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code), *args],
+            [sys.executable, *_source(code), *map(str, args)],
             env=env,
             capture_output=True,
             text=True,
@@ -62,3 +63,16 @@ def run_client(alias_target):
         return proc.stdout
 
     return run
+
+
+def _source(code: str | Path) -> list[str]:
+    return [str(code)] if isinstance(code, Path) else ["-c", textwrap.dedent(code)]
+
+
+def result_line(stdout: str) -> object:
+    """The JSON after the last 'RESULT ' line of a client's output."""
+    import json
+
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, stdout[-2000:]
+    return json.loads(lines[-1][len("RESULT ") :])
