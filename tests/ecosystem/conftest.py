@@ -47,6 +47,8 @@ def run_client(alias_target):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(alias_target), str(REPO)])
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("HF_HUB_OFFLINE", "1")  # everything the clients load is local
+        env.setdefault("HF_DATASETS_OFFLINE", "1")
         proc = subprocess.run(
             [sys.executable, *_source(code), *map(str, args)],
             env=env,
