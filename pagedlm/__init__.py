@@ -1,6 +1,7 @@
 """pagedlm: offline batch LLM inference that speaks the vLLM offline API."""
 
-from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from pagedlm.engine.async_llm import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.entrypoints.llm import LLM
 from pagedlm.inputs import PromptType, TextPrompt, TokensPrompt
@@ -22,7 +23,6 @@ from pagedlm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __version_tuple__ = (0, 1, 0)
-AsyncEngineArgs = EngineArgs
 
 __all__ = [
     "LLM",
@@ -45,6 +45,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "AsyncEngineArgs",
+    "AsyncLLMEngine",
     "__version__",
     "__version_tuple__",
 ]

@@ -26,3 +26,14 @@ class VLLMValidationError(ValueError):
         if self.value is not None:
             extras.append(f"value={self.value}")
         return f"{base} ({', '.join(extras)})" if extras else base
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an error inside a step, or shutdown); no request can run.
+
+    Mirrors ``vllm.v1.engine.exceptions.EngineDeadError``.
+    """
+
+
+class EngineGenerateError(RuntimeError):
+    """A single request failed; the engine keeps running (vLLM's name)."""

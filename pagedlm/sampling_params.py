@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum, IntEnum
 from typing import Any, NoReturn, Protocol
 
@@ -433,3 +433,7 @@ class SamplingParams:
     def __repr__(self) -> str:
         args = ", ".join(f"{name}={getattr(self, name)}" for name in _REPR_FIELDS)
         return f"SamplingParams({args})"
+
+
+# vLLM's SamplingParams is a msgspec Struct; clients (outlines) copy one through this tuple.
+SamplingParams.__struct_fields__ = tuple(f.name for f in fields(SamplingParams))  # type: ignore[attr-defined]

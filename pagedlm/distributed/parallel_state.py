@@ -95,10 +95,17 @@ def tensor_model_parallel_gather(x: torch.Tensor, dst: int = 0, dim: int = -1):
     return _TP.gather(x, dst, dim)
 
 
-def cleanup_dist_env_and_memory() -> None:
-    """Leave the process group (if any) and collect garbage; vLLM tests call it after `del llm`."""
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """Leave the process group (if any) and collect garbage; vLLM tests call it after `del llm`.
+    With `shutdown_ray`, also stop a local Ray runtime (as vLLM does)."""
     global _TP
     _TP = GroupCoordinator()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+    if shutdown_ray:
+        try:
+            import ray
+        except ImportError:
+            return
+        ray.shutdown()

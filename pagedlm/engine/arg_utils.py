@@ -154,6 +154,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     speculative_config: dict[str, Any] | None = None
     cpu_offload_gb: float = 0
     enable_prompt_embeds: bool = False
@@ -409,6 +411,13 @@ class EngineArgs:
             data_parallel_rank=envs.VLLM_DP_RANK,
             distributed_executor_backend=backend,
         )
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs of the asynchronous engine: adds vLLM's request-logging switch."""
+
+    enable_log_requests: bool = False
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

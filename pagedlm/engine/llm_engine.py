@@ -67,6 +67,8 @@ class LLMEngine(EngineControlMixin):
         self.input_processor.structured_output_manager = self.structured_output_manager
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self.stat_logger = PrometheusStatLogger(self.model_config.model) if log_stats else None
+        # More loggers with `record(SchedulerStats, IterationStats)` (AsyncLLM's stat_loggers).
+        self.extra_stat_loggers: list[Any] = []
         self._num_preemptions_logged = 0
         self._init_control()
 
@@ -267,7 +269,10 @@ class LLMEngine(EngineControlMixin):
         if reqs_to_abort:
             self.scheduler.finish_requests(reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         if self.stat_logger is not None and iteration_stats is not None:
-            self.stat_logger.record(self._scheduler_stats(), iteration_stats)
+            sched_stats = self._scheduler_stats()
+            self.stat_logger.record(sched_stats, iteration_stats)
+            for extra in self.extra_stat_loggers:
+                extra.record(sched_stats, iteration_stats)
         return request_outputs
 
     def _scheduler_stats(self) -> SchedulerStats:

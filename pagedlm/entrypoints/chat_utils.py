@@ -69,3 +69,23 @@ def render_conversations(
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         prompts.append(TokensPrompt(prompt_token_ids=token_ids, prompt=text))
     return prompts
+
+
+def resolve_hf_chat_template(
+    tokenizer: Any,
+    chat_template: str | None,
+    tools: list[dict[str, Any]] | None,
+    *,
+    model_config: Any = None,
+    trust_remote_code: bool = False,
+) -> str | None:
+    """The template to render with: the given one, else the tokenizer's (None if it has none)."""
+    if chat_template is not None:
+        return chat_template
+    get = getattr(tokenizer, "get_chat_template", None)
+    if get is None:
+        return None
+    try:
+        return get(chat_template, tools=tools)
+    except ValueError:  # transformers: the tokenizer has no chat template
+        return None

@@ -1,0 +1,3 @@
+"""vllm.exceptions -> pagedlm.exceptions."""
+
+from pagedlm.exceptions import VLLMValidationError  # noqa: F401

@@ -1,0 +1,11 @@
+"""vllm.inputs.llm (vLLM >= 0.19) -> pagedlm.inputs."""
+
+from pagedlm.inputs import (  # noqa: F401
+    DataPrompt,
+    EmbedsPrompt,
+    ExplicitEncoderDecoderPrompt,
+    PromptType,
+    SingletonPrompt,
+    TextPrompt,
+    TokensPrompt,
+)

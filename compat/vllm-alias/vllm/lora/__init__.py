@@ -1,0 +1,3 @@
+"""vllm.lora."""
+
+from vllm.lora import request  # noqa: F401

@@ -1,0 +1,3 @@
+"""vllm.tokenizers -> pagedlm.engine.tokenizer."""
+
+from pagedlm.engine.tokenizer import get_tokenizer  # noqa: F401

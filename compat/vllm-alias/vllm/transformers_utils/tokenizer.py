@@ -1,0 +1,3 @@
+"""vllm.transformers_utils.tokenizer (older vLLM) -> pagedlm.engine.tokenizer."""
+
+from pagedlm.engine.tokenizer import get_tokenizer  # noqa: F401

@@ -1,0 +1,3 @@
+"""vllm.v1.engine.llm_engine -> pagedlm.engine.llm_engine."""
+
+from pagedlm.engine.llm_engine import LLMEngine  # noqa: F401

@@ -1,0 +1,3 @@
+"""vllm.v1.metrics.reader -> pagedlm.metrics."""
+
+from pagedlm.metrics import Counter, Gauge, Histogram, Metric, Vector  # noqa: F401

@@ -1,0 +1,127 @@
+"""The opt-in `vllm` alias: module paths, same objects, version, refusal over a real vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import venv
+
+import pytest
+
+from tests.ecosystem.conftest import REPO
+
+
+def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2) -> None:
+    out = run_client(
+        f"""
+        import importlib.metadata as md, json
+        import pagedlm, vllm
+        from vllm import LLM, SamplingParams, TokensPrompt, AsyncLLMEngine, AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        from vllm.outputs import RequestOutput, PoolingRequestOutput
+        from vllm.inputs import TextPrompt
+        from vllm.inputs.llm import TokensPrompt as TP2
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.lora.request import LoRARequest
+        from vllm.config import VllmConfig
+        from vllm.tokenizers import get_tokenizer
+        from vllm.transformers_utils.tokenizer import get_tokenizer as gt2
+        from vllm.entrypoints.chat_utils import resolve_hf_chat_template
+        from vllm.renderers.hf import resolve_chat_template
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.exceptions import EngineDeadError
+        from vllm.v1.metrics.reader import Counter
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.distributed import cleanup_dist_env_and_memory
+        from vllm.exceptions import VLLMValidationError
+        from vllm.logprobs import Logprob
+        import pagedlm.engine.async_llm as a, pagedlm.outputs as o
+
+        same = [
+            LLM is pagedlm.LLM, SamplingParams is pagedlm.SamplingParams,
+            AsyncLLMEngine is a.AsyncLLM is AsyncLLM, AsyncEngineArgs is pagedlm.AsyncEngineArgs,
+            RequestOutput is o.RequestOutput, TP2 is TokensPrompt, gt2 is get_tokenizer,
+            vllm.outputs.PoolingRequestOutput is o.PoolingRequestOutput,
+            vllm.sampling_params.SamplingParams is SamplingParams,
+        ]
+        llm = LLM({str(tiny_qwen2)!r}, dtype="float32", max_model_len=64)
+        outs = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        tok = get_tokenizer({str(tiny_qwen2)!r})
+        errors = {{}}
+        for name, call in [
+            ("lora", lambda: LLM({str(tiny_qwen2)!r}, enable_lora=True)),
+            ("tp", lambda: LLM({str(tiny_qwen2)!r}, tensor_parallel_size=2)),
+            ("json", lambda: llm.generate("x", SamplingParams(
+                structured_outputs=StructuredOutputsParams(json={{"type": "object"}})),
+                use_tqdm=False)),
+            ("lora_request", lambda: llm.generate("x", SamplingParams(max_tokens=1),
+                lora_request=LoRARequest("a", 1, "/nowhere"), use_tqdm=False)),
+            ("missing", lambda: vllm.initialize_ray_cluster),
+        ]:
+            try:
+                call()
+            except Exception as e:
+                errors[name] = type(e).__name__ + ": " + str(e)
+        print(json.dumps(dict(
+            same=same, version=md.version("vllm"), dunder=vllm.__version__,
+            isinstance=isinstance(outs[0], RequestOutput), errors=errors,
+            chat=resolve_hf_chat_template(tok, None, None) == tok.chat_template,
+            file=vllm.__file__, pagedlm_file=pagedlm.__file__,
+        )))
+        """
+    )
+    got = json.loads(out.strip().splitlines()[-1])
+    assert all(got["same"]), got["same"]
+    assert got["version"] == got["dunder"] == "0.19.0+pagedlm"
+    assert got["isinstance"] and got["chat"]
+    assert got["pagedlm_file"].startswith(str(REPO))
+    errs = got["errors"]
+    assert errs["lora"].startswith("NotImplementedError: enable_lora=True is not supported")
+    assert errs["tp"].startswith("NotImplementedError: tensor_parallel_size=2")
+    assert (
+        errs["json"] == "NotImplementedError: Structured outputs are not supported by pagedlm yet."
+    )
+    assert errs["lora_request"].startswith("ValueError: Got lora_request")
+    assert errs["missing"].startswith("AttributeError: vllm.initialize_ray_cluster is not provided")
+
+
+@pytest.mark.slow
+def test_alias_refuses_to_build_over_a_real_vllm(tmp_path) -> None:
+    """A venv holding a (fake) real vLLM distribution: building the alias there fails."""
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dist = os.path.join(site, "vllm-0.10.0.dist-info")
+    os.makedirs(dist)
+    with open(os.path.join(dist, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: vllm\nVersion: 0.10.0\nSummary: An engine\n")
+    cmd = [
+        str(py),
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--target",
+        str(tmp_path / "t"),
+        str(REPO / "compat" / "vllm-alias"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert (
+        "Refusing to install pagedlm's `vllm` alias: a real vLLM (0.10.0)"
+        in proc.stdout + proc.stderr
+    )
+    os.remove(os.path.join(dist, "METADATA"))
+    os.rmdir(dist)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "t" / "vllm" / "_pagedlm_alias.py").exists()
+    assert sys.executable  # the test venv itself was never touched
