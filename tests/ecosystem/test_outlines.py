@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -33,9 +32,10 @@ class Person(BaseModel):
 
 
 structured = {}
+grammar_params = SamplingParams(temperature=0.0, max_tokens=64)
 for name, output_type in [("json", Person), ("regex", Regex(r"[0-9]{3}"))]:
     try:
-        structured[name] = {"text": model("Hello", output_type, sampling_params=params)}
+        structured[name] = {"text": model("Hello", output_type, sampling_params=grammar_params)}
     except Exception as e:
         structured[name] = {"error": f"{type(e).__name__}: {e}"}
 print("RESULT " + json.dumps(dict(
@@ -49,12 +49,10 @@ def test_outlines_vllm_offline_plain_text_matches_llm_chat(run_client, tiny_qwen
     assert got["one"] == got["ref"][0]
     assert got["batch"] == [[text] for text in got["ref"]]
     assert all(len(text) >= 4 for text in got["ref"])
-    for name, res in got["structured"].items():
-        if "error" in res:  # until structured outputs land in pagedlm: a clear error
-            assert res["error"] == (
-                "NotImplementedError: Structured outputs are not supported by pagedlm yet."
-            ), name
-        elif name == "regex":
-            assert re.fullmatch(r"[0-9]{3}", res["text"])
-        else:
-            assert isinstance(json.loads(res["text"])["name"], str)
+    structured = got["structured"]
+    assert "error" not in structured["regex"], structured["regex"]
+    assert re.fullmatch(r"[0-9]{3}", structured["regex"]["text"])
+    # the random tiny model may not close the object within max_tokens; what it wrote follows
+    # the schema's grammar (full schema validation: tests/e2e/test_structured_outputs_model.py)
+    assert "error" not in structured["json"], structured["json"]
+    assert re.match(r'\{\s*"name"\s*(:|$)', structured["json"]["text"])
