@@ -174,11 +174,6 @@ class TorchSDPABackend(AttentionBackend):
             qv = quantize_kv(value[:num_tokens], v_scale, kv_cache.dtype)
             flat_k.view(torch.uint8).index_copy_(0, slots, qk.view(torch.uint8))
             flat_v.view(torch.uint8).index_copy_(0, slots, qv.view(torch.uint8))
-            # the PyTorch path attends what the cache holds, as the kernels do
-            key, value = (
-                dequantize_kv(qk, k_scale, key.dtype),
-                dequantize_kv(qv, v_scale, key.dtype),
-            )
         else:
             flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
             flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
@@ -206,6 +201,9 @@ class TorchSDPABackend(AttentionBackend):
                 v_scale,
             )
             return out
+        if fp8 and metadata.fresh_groups:  # attend what the cache holds, as the kernels do
+            key = dequantize_kv(qk, k_scale, key.dtype)
+            value = dequantize_kv(qv, v_scale, value.dtype)
         for group in metadata.fresh_groups:
             self._fresh_prefills(query, key, value, out, group, scale, sliding_window)
         for chunk in metadata.prefills:
