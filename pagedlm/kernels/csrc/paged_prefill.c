@@ -60,16 +60,19 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
   const int64_t lo = a->window > 0 && first_q - a->window + 1 > 0 ? first_q - a->window + 1 : 0;
   const int64_t hi = last_q + 1;  // keys lo .. hi - 1
   for (int64_t t0 = lo; t0 < hi; t0 += KT) {
+    // keys of this tile rounded up to a vector: the last tile skips its empty vectors
+    const int kn = hi - t0 >= KT ? KT : (int)((hi - t0 + 15) & ~(int64_t)15);
+    (void)kn;
 #ifdef PAGEDLM_PREFILL_BF16
     if (PATH == 2) {
-      pack_bf16(a, table, kh, t0, hi, (uint32_t*)s->kt, (uint16_t*)s->vf, DV);
-      qk_bf16(s->qb, (const uint32_t*)s->kt, s->p, rows_pad, a->scale, DV);
+      pack_bf16(a, table, kh, t0, hi, (uint32_t*)s->kt, (uint16_t*)s->vf, DV, kn);
+      qk_bf16(s->qb, (const uint32_t*)s->kt, s->p, rows_pad, a->scale, DV, kn);
     }
 #endif
 #ifdef PAGEDLM_AVX512
     if (PATH == 1) {
-      pack_f32_avx512(a, table, kh, t0, hi, s->kt, s->vf, DV);
-      qk_f32_avx512(s->qf, s->kt, s->p, rows_pad, DV);
+      pack_f32_avx512(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
+      qk_f32_avx512(s->qf, s->kt, s->p, rows_pad, DV, kn);
     }
 #endif
     if (PATH == 0) {
@@ -86,17 +89,17 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
       }
 #ifdef PAGEDLM_AVX512
       if (PATH != 0) {
-        softmax_row_avx512(s, r, jlo, jhi);
+        softmax_row_avx512(s, r, jlo, jhi, kn);
         continue;
       }
 #endif
       softmax_row(s, r, jlo, jhi);
     }
 #ifdef PAGEDLM_PREFILL_BF16
-    if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rows_pad, DV);
+    if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rows_pad, DV, kn);
 #endif
 #ifdef PAGEDLM_AVX512
-    if (PATH == 1) pv_f32_avx512(s, s->vf, rows_pad, DV);
+    if (PATH == 1) pv_f32_avx512(s, s->vf, rows_pad, DV, kn);
 #endif
     if (PATH == 0) pv_f32(s, s->vf, rows_pad, d);
   }

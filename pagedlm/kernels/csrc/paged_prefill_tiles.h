@@ -103,9 +103,9 @@ static inline __attribute__((always_inline)) void pack_f32_avx512(const Args* a,
                                                                   const int64_t* table,
                                                                   int64_t kh, int64_t t0,
                                                                   int64_t hi, float* kt, float* vf,
-                                                                  const int DV) {
+                                                                  const int DV, int kn) {
   const int64_t d = 16 * DV;
-  for (int kg = 0; kg < KT; kg += 16) {
+  for (int kg = 0; kg < kn; kg += 16) {
     for (int c = 0; c < DV; c++) {
       __m512 r[16];
       for (int j = 0; j < 16; j++)
@@ -117,7 +117,7 @@ static inline __attribute__((always_inline)) void pack_f32_avx512(const Args* a,
       for (int x = 0; x < 16; x++) _mm512_storeu_ps(kt + (16 * c + x) * KT + kg, r[x]);
     }
   }
-  for (int j = 0; j < KT; j++) {
+  for (int j = 0; j < kn; j++) {
     const int valid = t0 + j < hi;
     const int64_t off = valid ? row_offset(a, table, t0 + j, kh) : 0;
     for (int c = 0; c < DV; c++)
@@ -130,10 +130,10 @@ static inline __attribute__((always_inline)) void pack_f32_avx512(const Args* a,
 // Scores of 8 rows at a time (rows are padded to a multiple of 8 with zero queries).
 static inline __attribute__((always_inline)) void qk_f32_avx512(const float* qf, const float* kt,
                                                                 float* p, int64_t rows,
-                                                                const int DV) {
+                                                                const int DV, int kn) {
   const int64_t d = 16 * DV;
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    for (int kg = 0; kg < KT; kg += 16) {
+    for (int kg = 0; kg < kn; kg += 16) {
       __m512 s[8];
       for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
       for (int64_t x = 0; x < d; x++) {
@@ -147,22 +147,22 @@ static inline __attribute__((always_inline)) void qk_f32_avx512(const float* qf,
 }
 
 // softmax_row on one vector; lanes outside jlo..jhi are masked off (garbage scores allowed).
-static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_t jhi) {
+static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_t jhi, int kn) {
   float* pr = s->p + r * KT;
   if (jlo > jhi) {
-    for (int kg = 0; kg < KT; kg += 16) _mm512_storeu_ps(pr + kg, _mm512_setzero_ps());
+    for (int kg = 0; kg < kn; kg += 16) _mm512_storeu_ps(pr + kg, _mm512_setzero_ps());
     s->alpha[r] = 1.f;
     return;
   }
   const uint64_t bits = (jhi >= 63 ? ~0ull : (1ull << (jhi + 1)) - 1) & ~((1ull << jlo) - 1);
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int kg = 0; kg < KT; kg += 16)
+  for (int kg = 0; kg < kn; kg += 16)
     mx = _mm512_mask_max_ps(mx, (__mmask16)(bits >> kg), mx, _mm512_loadu_ps(pr + kg));
   const float tile_max = _mm512_reduce_max_ps(mx);
   const float m_new = tile_max > s->m[r] ? tile_max : s->m[r];
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
-  for (int kg = 0; kg < KT; kg += 16) {
+  for (int kg = 0; kg < kn; kg += 16) {
     const __m512 sc = _mm512_loadu_ps(pr + kg);
     const __m512 e = _mm512_maskz_mov_ps((__mmask16)(bits >> kg), exp512(_mm512_sub_ps(sc, vm)));
     _mm512_storeu_ps(pr + kg, e);
@@ -175,7 +175,8 @@ static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_
 
 // acc[r] = acc[r] * alpha[r] + p[r] . V, two rows at a time where the accumulators fit.
 static inline __attribute__((always_inline)) void pv_f32_avx512(Scratch* s, const float* vf,
-                                                                int64_t rows, const int DV) {
+                                                                int64_t rows, const int DV,
+                                                                int kn) {
   const int64_t d = 16 * DV;
   const int RB = DV <= 8 ? 2 : 1;  // rows are padded to a multiple of 8
   for (int64_t r0 = 0; r0 < rows; r0 += RB) {
@@ -185,7 +186,7 @@ static inline __attribute__((always_inline)) void pv_f32_avx512(Scratch* s, cons
       for (int c = 0; c < DV; c++)
         acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(s->acc + (r0 + i) * d + 16 * c), al);
     }
-    for (int j = 0; j < KT; j++) {
+    for (int j = 0; j < kn; j++) {
       __m512 pj[2];
       for (int i = 0; i < RB; i++) pj[i] = _mm512_set1_ps(s->p[(r0 + i) * KT + j]);
       for (int c = 0; c < DV; c++) {
@@ -215,11 +216,11 @@ static inline __m256i load16_bf16_bits(const Args* a, const void* cache, int64_t
 static inline __attribute__((always_inline)) void pack_bf16(const Args* a, const int64_t* table,
                                                             int64_t kh, int64_t t0, int64_t hi,
                                                             uint32_t* kp, uint16_t* vp,
-                                                            const int DV) {
+                                                            const int DV, int kn) {
   const int64_t d = 16 * DV;
   int64_t off[KT];
-  for (int j = 0; j < KT; j++) off[j] = t0 + j < hi ? row_offset(a, table, t0 + j, kh) : -1;
-  for (int kg = 0; kg < KT; kg += 16) {
+  for (int j = 0; j < kn; j++) off[j] = t0 + j < hi ? row_offset(a, table, t0 + j, kh) : -1;
+  for (int kg = 0; kg < kn; kg += 16) {
     for (int c = 0; c < DV / 2; c++) {  // 32 dims = 16 pairs per key
       __m512 r[16];
       for (int j = 0; j < 16; j++) {
@@ -242,7 +243,7 @@ static inline __attribute__((always_inline)) void pack_bf16(const Args* a, const
                                            0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
                                            0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int jp = 0; jp < KT / 2; jp++) {
+  for (int jp = 0; jp < kn / 2; jp++) {
     for (int c = 0; c < DV / 2; c++) {
       __m512i rows[2];
       for (int e = 0; e < 2; e++) {
@@ -264,11 +265,11 @@ static inline __attribute__((always_inline)) void pack_bf16(const Args* a, const
 
 static inline __attribute__((always_inline)) void qk_bf16(const uint32_t* qb, const uint32_t* kp,
                                                           float* p, int64_t rows, float scale,
-                                                          const int DV) {
+                                                          const int DV, int kn) {
   const int64_t dp = 8 * DV;  // pairs per row
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    for (int kg = 0; kg < KT; kg += 16) {
+    for (int kg = 0; kg < kn; kg += 16) {
       __m512 s[8];
       for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
       for (int64_t x = 0; x < dp; x++) {
@@ -284,11 +285,11 @@ static inline __attribute__((always_inline)) void qk_bf16(const uint32_t* qb, co
 }
 
 static inline __attribute__((always_inline)) void pv_bf16(Scratch* s, const uint16_t* vp,
-                                                          int64_t rows, const int DV) {
+                                                          int64_t rows, const int DV, int kn) {
   const int64_t d = 16 * DV;
   const int RB = DV <= 8 ? 2 : 1;
   for (int64_t r = 0; r < rows; r++)  // probabilities as bf16 pairs
-    for (int kg = 0; kg < KT; kg += 16)
+    for (int kg = 0; kg < kn; kg += 16)
       _mm256_storeu_si256((__m256i*)(s->pb + r * (KT / 2) + kg / 2),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->p + r * KT + kg)));
   for (int64_t r0 = 0; r0 < rows; r0 += RB) {
@@ -298,7 +299,7 @@ static inline __attribute__((always_inline)) void pv_bf16(Scratch* s, const uint
       for (int c = 0; c < DV; c++)
         acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(s->acc + (r0 + i) * d + 16 * c), al);
     }
-    for (int jp = 0; jp < KT / 2; jp++) {
+    for (int jp = 0; jp < kn / 2; jp++) {
       __m512bh pp[2];
       for (int i = 0; i < RB; i++)
         pp[i] = (__m512bh)_mm512_set1_epi32((int)s->pb[(r0 + i) * (KT / 2) + jp]);
