@@ -1,9 +1,10 @@
 """Paged attention: the compiled CPU kernels where available, plain PyTorch
 `scaled_dot_product_attention` otherwise (the kernels' tested twin).
 
-With the C kernels, decode rows go through `paged_decode_attention` and every prefill chunk,
-cached prefix or not, through the tiled `paged_prefill_attention`, both reading K/V from the
-paged cache through the block table. The PyTorch path:
+With the C kernels, decode rows go through `paged_decode_attention` (split-KV) and every
+prefill chunk, cached prefix or not, through the tiled `paged_prefill_attention`, both reading
+K/V from the paged cache through the block table. An fp8 cache (kv_cache_dtype.py) holds
+saturate(x / scale); both paths attend its dequantized values. The PyTorch path:
 
 Decode rows are attended in one batched call: their blocks are gathered through the block table
 and padded to the longest sequence with a key mask. Each prefill chunk gets its own call; a
