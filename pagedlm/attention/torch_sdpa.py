@@ -1,9 +1,10 @@
 """Paged attention: the compiled CPU kernels where available, plain PyTorch
 `scaled_dot_product_attention` otherwise (the kernels' tested twin).
 
-With the C kernels, decode rows go through `paged_decode_attention` and every prefill chunk,
-cached prefix or not, through the tiled `paged_prefill_attention`, both reading K/V from the
-paged cache through the block table. The PyTorch path:
+With the C kernels, decode rows go through `paged_decode_attention` (split-KV) and every
+prefill chunk, cached prefix or not, through the tiled `paged_prefill_attention`, both reading
+K/V from the paged cache through the block table. An fp8 cache (kv_cache_dtype.py) holds
+saturate(x / scale); both paths attend its dequantized values. The PyTorch path:
 
 Decode rows are attended in one batched call: their blocks are gathered through the block table
 and padded to the longest sequence with a key mask. Each prefill chunk gets its own call; a
@@ -174,11 +175,6 @@ class TorchSDPABackend(AttentionBackend):
             qv = quantize_kv(value[:num_tokens], v_scale, kv_cache.dtype)
             flat_k.view(torch.uint8).index_copy_(0, slots, qk.view(torch.uint8))
             flat_v.view(torch.uint8).index_copy_(0, slots, qv.view(torch.uint8))
-            # the PyTorch path attends what the cache holds, as the kernels do
-            key, value = (
-                dequantize_kv(qk, k_scale, key.dtype),
-                dequantize_kv(qv, v_scale, key.dtype),
-            )
         else:
             flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
             flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
@@ -206,6 +202,9 @@ class TorchSDPABackend(AttentionBackend):
                 v_scale,
             )
             return out
+        if fp8 and metadata.fresh_groups:  # attend what the cache holds, as the kernels do
+            key = dequantize_kv(qk, k_scale, key.dtype)
+            value = dequantize_kv(qv, v_scale, value.dtype)
         for group in metadata.fresh_groups:
             self._fresh_prefills(query, key, value, out, group, scale, sliding_window)
         for chunk in metadata.prefills:
