@@ -161,9 +161,17 @@ def test_needs_a_tokenizer(tiny_qwen2) -> None:
         )
 
 
-def test_unknown_backend_rejected(tiny_qwen2) -> None:
+def test_engine_config(tiny_qwen2) -> None:
+    from pagedlm.config import StructuredOutputsConfig
+
+    config = StructuredOutputsConfig.from_any({"disable_any_whitespace": True, "unknown": 1})
+    assert config.disable_any_whitespace and config.backend == "auto"  # unknown keys dropped
     with pytest.raises(ValueError, match="not available"):
         LLM(str(tiny_qwen2), structured_outputs_config={"backend": "outlines"})
+    with pytest.raises(ValueError, match="not available"):
+        so = SO(regex="a")
+        so._backend = "guidance"
+        LLM(str(tiny_qwen2), max_model_len=64).generate("x", _params(0.0, 0, so), use_tqdm=False)
 
 
 def test_rejected_with_speculative_decoding(tiny_qwen2) -> None:
