@@ -19,6 +19,7 @@ import numpy as np
 
 from pagedlm.config import STRUCTURED_OUTPUT_BACKENDS, StructuredOutputsConfig
 from pagedlm.structured_output.request import (
+    StructuredOutputKey,
     StructuredOutputRequest,
     get_structured_output_key,
 )
@@ -63,7 +64,8 @@ class StructuredOutputManager:
             self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return self._backend
 
-    def _key(self, params: StructuredOutputsParams):
+    def _key(self, params: StructuredOutputsParams) -> StructuredOutputKey:
+        """The grammar key of a request's own (cloned) params, engine options folded in."""
         if self.config.disable_any_whitespace or self.config.disable_additional_properties:
             params.disable_any_whitespace |= self.config.disable_any_whitespace
             params.disable_additional_properties |= self.config.disable_additional_properties

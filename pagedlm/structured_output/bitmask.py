@@ -35,28 +35,37 @@ def grammar_rows(
     return rows, torch.from_numpy(np.ascontiguousarray(bitmask))
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool ``[rows, vocab_size]``: True where the token is allowed (missing bits: not allowed).
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # indexed by the allowed bit
 
-    Bit j of int32 word w is token 32 * w + j: in little-endian bytes that is numpy's
-    ``unpackbits(..., bitorder="little")`` order.
-    """
+
+def _unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """uint8 ``[rows, vocab_size]``, 1 where allowed. Bit j of int32 word w is token
+    32 * w + j: in little-endian bytes that is numpy's ``unpackbits(bitorder="little")``."""
     words = np.ascontiguousarray(bitmask.numpy(), dtype="<i4")
-    num_rows, width = words.shape
-    count = min(vocab_size, width * 32)
-    allowed = np.unpackbits(words.view(np.uint8), axis=1, count=count, bitorder="little")
-    if count < vocab_size:
-        allowed = np.pad(allowed, ((0, 0), (0, vocab_size - count)))
-    return torch.from_numpy(allowed.view(bool))
+    count = min(vocab_size, words.shape[1] * 32)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, count=count, bitorder="little")
+    if count < vocab_size:  # a model vocabulary wider than the bitmask: the rest is disallowed
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - count)))
+    return bits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool ``[rows, vocab_size]``: True where the token is allowed (missing bits: not allowed)."""
+    return torch.from_numpy(_unpack_bits(bitmask, vocab_size).view(bool))
 
 
 def apply_grammar_bitmask(
     logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
 ) -> torch.Tensor:
-    """Set the disallowed logits of ``rows`` to -inf, in place (any float dtype: exact)."""
-    disallowed = ~unpack_bitmask(bitmask, logits.shape[-1]).to(logits.device)
+    """fp32 logits whose disallowed entries in ``rows`` are -inf; other entries unchanged.
+
+    Adds a 0 / -inf bias (one vectorized add; about twice as fast as ``masked_fill_``). fp32
+    input is modified in place; casting bf16/fp16 logits to fp32 is exact, so the argmax of
+    the result is what masking in the model dtype would give.
+    """
+    logits = logits.float()
+    bias = torch.from_numpy(_BIAS[_unpack_bits(bitmask, logits.shape[-1])]).to(logits.device)
     if rows == list(range(logits.shape[0])):
-        return logits.masked_fill_(disallowed, float("-inf"))
+        return logits.add_(bias)
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
-    return logits
+    return logits.index_add_(0, index, bias)

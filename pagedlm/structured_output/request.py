@@ -31,6 +31,11 @@ def get_structured_output_key(params: StructuredOutputsParams) -> StructuredOutp
     ``spec`` is a string: a JSON schema given as a dict is dumped (keys sorted), choices are
     dumped as a JSON list, and options that change the grammar are folded into JSON specs.
     """
+    if params.whitespace_pattern is not None:
+        raise ValueError(
+            "structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
+            "use disable_any_whitespace=True for compact JSON."
+        )
     if params.json is not None:
         schema = params.json
         if isinstance(schema, str):

@@ -128,6 +128,7 @@ def test_grammar_survives_preemption(tiny_qwen2) -> None:
         (SO(grammar="   "), "grammar cannot be empty"),
         (SO(choice=[]), "choice cannot be an empty list"),
         (SO(structural_tag="{oops"), "structural_tag"),
+        (SO(json={"type": "object"}, whitespace_pattern=r"[ ]?"), "whitespace_pattern"),
     ],
 )
 def test_invalid_constraints_fail_at_generate(llm: LLM, so: SO, match: str) -> None:
@@ -160,9 +161,17 @@ def test_needs_a_tokenizer(tiny_qwen2) -> None:
         )
 
 
-def test_unknown_backend_rejected(tiny_qwen2) -> None:
+def test_engine_config(tiny_qwen2) -> None:
+    from pagedlm.config import StructuredOutputsConfig
+
+    config = StructuredOutputsConfig.from_any({"disable_any_whitespace": True, "unknown": 1})
+    assert config.disable_any_whitespace and config.backend == "auto"  # unknown keys dropped
     with pytest.raises(ValueError, match="not available"):
         LLM(str(tiny_qwen2), structured_outputs_config={"backend": "outlines"})
+    with pytest.raises(ValueError, match="not available"):
+        so = SO(regex="a")
+        so._backend = "guidance"
+        LLM(str(tiny_qwen2), max_model_len=64).generate("x", _params(0.0, 0, so), use_tqdm=False)
 
 
 def test_rejected_with_speculative_decoding(tiny_qwen2) -> None:
@@ -190,3 +199,23 @@ def test_multiprocess_executor(tiny_qwen2, llm: LLM) -> None:
     want = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     mp_llm.llm_engine.shutdown()
+
+
+def test_structural_tags(llm: LLM) -> None:
+    """The current format constrains the whole output; the legacy {structures, triggers} one
+    compiles (a random model never writes the trigger, so it stays free text)."""
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "Hello!"}}
+    legacy = {
+        "structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    outs = llm.generate(
+        PROMPTS[:2],
+        [
+            _params(1.0, 0, SO(structural_tag=json.dumps(tag)), 20),
+            _params(1.0, 0, SO(structural_tag=json.dumps(legacy)), 4),
+        ],
+        use_tqdm=False,
+    )
+    assert outs[0].outputs[0].text == "Hello!" and outs[0].outputs[0].finish_reason == "stop"
+    assert len(outs[1].outputs[0].token_ids) >= 1
