@@ -194,6 +194,7 @@ static void row_dots_portable(const uint8_t* wq, const float* wl, const QAct* a,
 // compile-time constant) and used against every activation row of the pass, whose tile is
 // loaded once for all weight rows. out[r * mt + j] = dot of weight row n0 + r, act row m0 + j.
 #define ROWS_MAX 4
+#define PREFETCH_ROWS 8
 
 static inline __attribute__((always_inline)) __m512i unpack_chunk(const QWeight* w, int64_t n,
                                                                   int64_t c, const int BITS) {
@@ -230,6 +231,15 @@ static inline __attribute__((always_inline)) void fused_dots(const QWeight* w, i
     __m512i wv[ROWS_MAX];
     __m512 ws[ROWS_MAX];
     for (int r = 0; r < NR; r++) {
+      if (n0 + r + PREFETCH_ROWS < w->N) {  // the same chunk PREFETCH_ROWS rows ahead
+        const int64_t ahead = (n0 + r + PREFETCH_ROWS) * (w->K / 64) + c;
+        _mm_prefetch((const char*)(w->qs + ahead * (BITS == 8 ? 64 : 32)), _MM_HINT_T0);
+        if (BITS == 5 || BITS == 6)
+          _mm_prefetch((const char*)(w->qh + ahead * 8 * (BITS - 4)), _MM_HINT_T0);
+        if ((c & 7) == 0)
+          _mm_prefetch((const char*)(w->scales + (n0 + r + PREFETCH_ROWS) * subs + per_chunk * c),
+                       _MM_HINT_T0);
+      }
       wv[r] = unpack_chunk(w, n0 + r, c, BITS);
       const float* sc = w->scales + (n0 + r) * subs + per_chunk * c;
       ws[r] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(smask, sc));
