@@ -82,7 +82,7 @@ def run_backend(
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Arguments every benchmark takes, plus the hidden pair that selects worker mode."""
     parser.add_argument("--backends", default="pagedlm,transformers")
-    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--model", default=None, help="Hugging Face model directory or .gguf file")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -108,6 +108,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 def model_and_vocab(args: argparse.Namespace) -> tuple[str, int]:
     """The model directory (default: the packaged model, converted once) and its vocab size."""
     model = args.model or default_model()
+    if model.endswith(".gguf"):  # e.g. the packaged file, for pagedlm vs pagedlm-bf16
+        sys.path.insert(0, str(ROOT))
+        from pagedlm.model_loader.gguf_reader import GGUFFile
+
+        return model, len(GGUFFile(model).metadata["tokenizer.ggml.tokens"])
     return model, json.loads((Path(model) / "config.json").read_text())["vocab_size"]
 
 

@@ -1,6 +1,6 @@
 """Batch-1 latency: time to first token and decode tokens/s of one request, per backend.
 
-    .venv/bin/python benchmarks/latency.py --backends pagedlm,transformers,vllm \
+    .venv/bin/python benchmarks/latency.py --backends pagedlm,pagedlm-bf16,transformers,vllm \
         --vllm-python /path/to/vllm-venv/bin/python
 
 Long contexts: `--input-len 16000 --output-len 32` (--max-model-len is raised to fit);
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -70,8 +71,16 @@ def _summarize(timed, spec: dict) -> dict:
     }
 
 
+def run_pagedlm_dequantized(spec: dict) -> dict:
+    """pagedlm with a GGUF model's weights dequantized to bf16 at load (the path before the
+    packed-GGUF kernels); the same as "pagedlm" for safetensors models."""
+    os.environ["PAGEDLM_GGUF_DEQUANTIZE"] = "1"
+    return run_llm_api("pagedlm", spec)
+
+
 WORKERS = {
     "pagedlm": lambda spec: run_llm_api("pagedlm", spec),
+    "pagedlm-bf16": run_pagedlm_dequantized,
     "transformers": run_transformers,
     "vllm": lambda spec: run_llm_api("vllm", spec),
 }

@@ -357,6 +357,12 @@ def block_small_batch_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def unblock_small_batch_weight(blocked: torch.Tensor) -> torch.Tensor:
+    """The dense [N, K] weight of `block_small_batch_weight`'s layout (a new tensor)."""
+    nblk, kp, _, _ = blocked.shape
+    return blocked.permute(0, 2, 1, 3).reshape(nblk * 16, kp * 2).contiguous()
+
+
 # x, blocked w [N/16, K/2, 16, 2], bias, y, M, N/16, K/2, num_threads -> 1 if computed
 declare("gemv_bf16_blocked", [_ptr] * 4 + [_i64] * 3 + [_int], _int)
 

@@ -156,11 +156,15 @@ _LINEAR_WEIGHT = re.compile(r"(_proj|lm_head)\.weight$")
 
 
 def iterate_gguf(
-    path: str | Path, config: Any, quantization: str | None = None
+    path: str | Path,
+    config: Any,
+    quantization: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, tensor) for every tensor of the file: fp32, except that under
-    quantization="gguf" linear weights of types with packed kernels come as GGUFRawTensor
-    (raw blocks) for the GGUF linear method."""
+    """(Hugging Face name, tensor) for every tensor of the file: matrices in `dtype` (decoded
+    in fp32 and rounded once, as copying into a `dtype` parameter would; half the transient
+    memory of fp32 for bf16 models), vectors in fp32; under quantization="gguf" linear
+    weights of types with packed kernels come as GGUFRawTensor (raw blocks) instead."""
     from pagedlm.layers.quantization.gguf import GGUFRawTensor
     from pagedlm.layers.quantization.gguf_pack import can_pack
     from pagedlm.model_loader.gguf_quants import dequantize
@@ -188,7 +192,8 @@ def iterate_gguf(
                 data = _unpermute(data, heads)
             yield name, GGUFRawTensor(data, tensor.ggml_type, tensor.shape)
             continue
-        weight = dequantize(raw, tensor.ggml_type, tensor.shape)
+        matrix = len(tensor.shape) == 2
+        weight = dequantize(raw, tensor.ggml_type, tensor.shape, dtype if matrix else torch.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads
             if "k_proj" in name:

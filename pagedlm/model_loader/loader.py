@@ -37,7 +37,10 @@ def iterate_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
         from pagedlm.model_loader.gguf_loader import iterate_gguf
 
         return iterate_gguf(
-            model_config.gguf_file, model_config.hf_config, model_config.quantization
+            model_config.gguf_file,
+            model_config.hf_config,
+            model_config.quantization,
+            model_config.dtype,
         )
     return iterate_safetensors(model_config.model_path)
 

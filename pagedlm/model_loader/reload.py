@@ -25,6 +25,23 @@ from torch import nn
 _DERIVED_ATTRS = ("packed_weight", "logits_weight")  # prepacked copies of a module's weight
 
 
+def _derived_layout(param: torch.Tensor) -> bool:
+    """A parameter replaced by a compute layout: oneDNN's prepacked, or the AVX-512 BF16
+    small-batch kernel's blocked [N/16, K/2, 16, 2] copy."""
+    return param.is_mkldnn or (param.dim() == 4 and tuple(param.shape[2:]) == (16, 2))
+
+
+def _dense_of(param: torch.Tensor) -> torch.Tensor:
+    """The dense [out, in] weight of a parameter in a derived layout (a copy)."""
+    if param.is_mkldnn:
+        return param.data.to_dense()
+    if param.dim() == 4:
+        from pagedlm.kernels.cpu import unblock_small_batch_weight
+
+        return unblock_small_batch_weight(param.data)
+    return param.data.clone()
+
+
 def finalize_weights(model: nn.Module) -> None:
     """Record loaders and dense specs, then build the derived (prepacked) copies."""
     params = model.named_parameters(remove_duplicate=False)
@@ -108,6 +125,7 @@ def load_weights_incremental(
                 f"{getattr(tensor, 'dtype', type(tensor))} (nothing was loaded)."
             )
         target, shard_id = resolved
+        _refuse_quantized(model, target, name)
         loader, shape, dtype = specs[target]
         expected = checkpoint_shape(model, target, shard_id, shape)
         if tuple(tensor.shape) != expected:
@@ -119,10 +137,8 @@ def load_weights_incremental(
             param = params[target]
             if param.numel() == 0:  # discarded (sleep level 2)
                 staged[target] = torch.zeros(shape, dtype=dtype)
-            elif param.is_mkldnn:
-                staged[target] = param.data.to_dense()
             else:
-                staged[target] = param.data.clone()
+                staged[target] = _dense_of(param)
         try:
             if shard_id is None:
                 loader(staged[target], tensor.detach())
@@ -138,6 +154,19 @@ def load_weights_incremental(
     return set(staged)
 
 
+def _refuse_quantized(model: nn.Module, target: str, name: str) -> None:
+    """Quantized layers (GGUF blocks, int8) hold no dense weight to update in place."""
+    from pagedlm.layers.quantization import UnquantizedLinearMethod
+
+    method = getattr(_owner(model, target)[0], "quant_method", None)
+    if method is not None and not isinstance(method, UnquantizedLinearMethod):
+        raise NotImplementedError(
+            f"weight {name!r} belongs to a {type(method).__name__} layer: updating quantized "
+            "weights is not supported (nothing was loaded); load the model with "
+            "quantization=None (GGUF files: PAGEDLM_GGUF_DEQUANTIZE=1) to update it."
+        )
+
+
 def _commit(
     model: nn.Module, params: dict[str, nn.Parameter], staged: dict[str, torch.Tensor]
 ) -> None:
@@ -148,7 +177,7 @@ def _commit(
         owners.add((id(module), attr))
     for target, dense in staged.items():
         param = params[target]
-        if param.is_mkldnn:  # a prepacked layout replaced it: put the dense weight back
+        if _derived_layout(param):  # a compute layout replaced it: put the dense weight back
             module, attr = _owner(model, target)
             setattr(module, attr, nn.Parameter(dense, requires_grad=False))
         elif param.numel() == 0:
@@ -161,8 +190,8 @@ def _commit(
         own = module.named_parameters(recurse=False)
         if any(id(p) in touched or (id(module), n) in owners for n, p in own):
             for attr, param in list(module.named_parameters(recurse=False)):
-                if param.is_mkldnn:  # untouched but prepacked: processing starts from dense
-                    setattr(module, attr, nn.Parameter(param.data.to_dense(), requires_grad=False))
+                if _derived_layout(param):  # untouched but repacked: processing starts dense
+                    setattr(module, attr, nn.Parameter(_dense_of(param), requires_grad=False))
             module.process_weights_after_loading()
 
 

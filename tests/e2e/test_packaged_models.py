@@ -25,7 +25,10 @@ def _fixture(name: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
-def test_packaged_model_matches_transformers(name: str) -> None:
+def test_packaged_model_matches_transformers(name: str, monkeypatch) -> None:
+    """The recorded outputs are transformers' on the dequantized file: compare that path (the
+    packed-GGUF default quantizes activations, see benchmarks/gguf_quality.py)."""
+    monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", "1")
     fixture = _fixture(name)
     llm = LLM(name, dtype="float32", max_model_len=512)
     tokenizer = llm.get_tokenizer()
@@ -47,7 +50,9 @@ def test_packaged_model_matches_transformers(name: str) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_answers_in_bf16() -> None:
+@pytest.mark.parametrize("dequantize", ["0", "1"], ids=["packed-gguf", "bf16"])
+def test_default_model_answers(dequantize: str, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", dequantize)
     llm = LLM("qwen2.5-coder-0.5b-instruct", max_model_len=1024)
     out = llm.chat(
         [{"role": "user", "content": "Write a Python function that reverses a string."}],

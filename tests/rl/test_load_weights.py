@@ -179,3 +179,27 @@ def test_ipc_handles_in_process_tensors_and_bad_handles(tiny_qwen2, tmp_path):
     llm.update_weights({"update_info": dict(info, ipc_handles=[new_state[n] for n in names])})
     llm.finish_weight_update(weight_version="in-process")
     assert_close(run(llm), want)
+
+
+def test_partial_update_in_bf16_through_repacked_weights(tiny_qwen2, tmp_path):
+    """bf16 weights live in compute layouts after loading (oneDNN prepacked; without AMX the
+    small-batch kernel's blocked copy): an update restores the dense weight from them first."""
+    new_state = perturbed_checkpoint(tiny_qwen2, tmp_path / "new")
+    mixed = load_file(str(tiny_qwen2 / "model.safetensors"))
+    names = ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"]
+    for name in names:
+        mixed[name] = new_state[name]
+    shutil.copytree(tiny_qwen2, tmp_path / "mixed")
+    save_file(mixed, str(tmp_path / "mixed" / "model.safetensors"), metadata={"format": "pt"})
+    bf16 = dict(ENGINE, dtype="bfloat16")
+    want = run(LLM(str(tmp_path / "mixed"), **bf16))
+    llm = LLM(str(tiny_qwen2), **bf16)
+    llm.apply_model(lambda m: m.load_weights([(n, new_state[n]) for n in names]))
+    assert_close(run(llm), want)
+
+
+def test_quantized_layers_refuse_updates(tiny_qwen2):
+    llm = LLM(str(tiny_qwen2), **dict(ENGINE, quantization="int8"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(NotImplementedError, match="Int8WeightOnlyLinearMethod layer"):
+        llm.apply_model(lambda m: m.load_weights([(name, torch.zeros(64, 64))]))

@@ -180,6 +180,13 @@ def test_dense_small_batch_linear_paths(isa, shape) -> None:
     _within_one_bf16_step(small_batch_linear(x, w, b, isa=isa), want)
 
 
+def test_blocked_layout_round_trips() -> None:
+    from pagedlm.kernels.cpu import unblock_small_batch_weight
+
+    w = torch.randn(48, 96).bfloat16()
+    assert torch.equal(unblock_small_batch_weight(block_small_batch_weight(w)), w)
+
+
 def test_blocked_layout_needs_whole_blocks() -> None:
     assert block_small_batch_weight(torch.zeros(40, 64, dtype=torch.bfloat16)) is None
     assert block_small_batch_weight(torch.zeros(48, 63, dtype=torch.bfloat16)) is None

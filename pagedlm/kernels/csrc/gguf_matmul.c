@@ -188,47 +188,101 @@ static void row_dots_portable(const uint8_t* wq, const float* wl, const QAct* a,
   }
 }
 
+
 #ifdef PAGEDLM_VNNI
-// As row_dots_portable, with the weight scales of chunk c expanded to lanes in registers
-// (sc: this row's scales; 2 per chunk for G = 32, 4 for G = 16).
-static inline __attribute__((always_inline)) void row_dots_vnni_mt(const uint8_t* wq,
-                                                                   const float* sc, int group,
-                                                                   const QAct* a, int64_t m0,
-                                                                   const int mt, int64_t K,
-                                                                   float* out) {
-  const int per_chunk = 64 / group;
-  const __m512i spread = group == 32
+// Decode fast path: ROWS_MAX weight rows at once, each chunk unpacked in registers (BITS a
+// compile-time constant) and used against every activation row of the pass, whose tile is
+// loaded once for all weight rows. out[r * mt + j] = dot of weight row n0 + r, act row m0 + j.
+#define ROWS_MAX 4
+#define PREFETCH_ROWS 8
+
+static inline __attribute__((always_inline)) __m512i unpack_chunk(const QWeight* w, int64_t n,
+                                                                  int64_t c, const int BITS) {
+  const int64_t chunks = w->K / 64;
+  if (BITS == 8) return _mm512_loadu_si512(w->qs + (n * chunks + c) * 64);
+  const __m512i b =
+      _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w->qs + (n * chunks + c) * 32)));
+  __m512i v = _mm512_and_si512(_mm512_srlv_epi64(b, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
+                               _mm512_set1_epi8(15));
+  for (int p = 0; p < BITS - 4; p++) {
+    uint64_t bits;
+    memcpy(&bits, w->qh + (n * chunks + c) * 8 * (BITS - 4) + 8 * p, 8);
+    v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits),
+                                                  _mm512_set1_epi8((char)(1 << (4 + p)))));
+  }
+  return v;
+}
+
+static inline __attribute__((always_inline)) void fused_dots(const QWeight* w, int64_t n0,
+                                                             const int NR, const QAct* a,
+                                                             int64_t m0, const int MT,
+                                                             const int BITS, float* out) {
+  const int64_t subs = w->K / w->group;
+  const int per_chunk = 64 / w->group;
+  const __m512i spread = w->group == 32
                              ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                              : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __mmask16 smask = (__mmask16)((1u << per_chunk) - 1);
-  __m512 acc[MT_MAX];
-  for (int j = 0; j < mt; j++) acc[j] = _mm512_setzero_ps();
+  __m512 acc[ROWS_MAX][MT_MAX];
+  for (int r = 0; r < NR; r++)
+    for (int j = 0; j < MT; j++) acc[r][j] = _mm512_setzero_ps();
   const ActTile* t = a->tiles + m0;
-  for (int64_t c = 0; c < K / 64; c++, t += a->M) {
-    const __m512i w = _mm512_loadu_si512(wq + 64 * c);
-    const __m512 ws =
-        _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(smask, sc + per_chunk * c));
-    for (int j = 0; j < mt; j++) {
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512(t[j].corr), w,
-                                              _mm512_load_si512(t[j].q));
-      const __m512 s = _mm512_mul_ps(ws, _mm512_load_ps(t[j].d));
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[j]);
+  for (int64_t c = 0; c < w->K / 64; c++, t += a->M) {
+    __m512i wv[ROWS_MAX];
+    __m512 ws[ROWS_MAX];
+    for (int r = 0; r < NR; r++) {
+      if (n0 + r + PREFETCH_ROWS < w->N) {  // the same chunk PREFETCH_ROWS rows ahead
+        const int64_t ahead = (n0 + r + PREFETCH_ROWS) * (w->K / 64) + c;
+        _mm_prefetch((const char*)(w->qs + ahead * (BITS == 8 ? 64 : 32)), _MM_HINT_T0);
+        if (BITS == 5 || BITS == 6)
+          _mm_prefetch((const char*)(w->qh + ahead * 8 * (BITS - 4)), _MM_HINT_T0);
+        if ((c & 7) == 0)
+          _mm_prefetch((const char*)(w->scales + (n0 + r + PREFETCH_ROWS) * subs + per_chunk * c),
+                       _MM_HINT_T0);
+      }
+      wv[r] = unpack_chunk(w, n0 + r, c, BITS);
+      const float* sc = w->scales + (n0 + r) * subs + per_chunk * c;
+      ws[r] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(smask, sc));
+    }
+    for (int j = 0; j < MT; j++) {
+      const __m512i corr = _mm512_load_si512(t[j].corr);
+      const __m512i xq = _mm512_load_si512(t[j].q);
+      const __m512 d = _mm512_load_ps(t[j].d);
+      for (int r = 0; r < NR; r++) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, wv[r], xq));
+        acc[r][j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws[r], d), acc[r][j]);
+      }
     }
   }
-  for (int j = 0; j < mt; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
+  for (int r = 0; r < NR; r++)
+    for (int j = 0; j < MT; j++) out[r * MT + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-static void row_dots_vnni(const uint8_t* wq, const float* sc, int group, const QAct* a,
-                          int64_t m0, int mt, int64_t K, float* out) {
-  switch (mt) {
-    case 1: row_dots_vnni_mt(wq, sc, group, a, m0, 1, K, out); break;
-    case 2: row_dots_vnni_mt(wq, sc, group, a, m0, 2, K, out); break;
-    case 3: row_dots_vnni_mt(wq, sc, group, a, m0, 3, K, out); break;
-    case 4: row_dots_vnni_mt(wq, sc, group, a, m0, 4, K, out); break;
-    case 5: row_dots_vnni_mt(wq, sc, group, a, m0, 5, K, out); break;
-    case 6: row_dots_vnni_mt(wq, sc, group, a, m0, 6, K, out); break;
-    case 7: row_dots_vnni_mt(wq, sc, group, a, m0, 7, K, out); break;
-    default: row_dots_vnni_mt(wq, sc, group, a, m0, 8, K, out);
+// 4 rows x 1-4 activation rows, or 1-4 rows x 5-8 (2 rows) / any (1 row).
+#define FUSED_FOR_BITS(BITS)                                                                  \
+  static void fused_b##BITS(const QWeight* w, int64_t n0, int nr, const QAct* a, int64_t m0, \
+                            int mt, float* out) {                                             \
+    if (nr == 4 && mt == 1) fused_dots(w, n0, 4, a, m0, 1, BITS, out);                        \
+    else if (nr == 4 && mt == 2) fused_dots(w, n0, 4, a, m0, 2, BITS, out);                   \
+    else if (nr == 4 && mt == 3) fused_dots(w, n0, 4, a, m0, 3, BITS, out);                   \
+    else if (nr == 4 && mt == 4) fused_dots(w, n0, 4, a, m0, 4, BITS, out);                   \
+    else if (nr == 2 && mt == 8) fused_dots(w, n0, 2, a, m0, 8, BITS, out);                   \
+    else                                                                                      \
+      for (int r = 0; r < nr; r++) fused_dots(w, n0 + r, 1, a, m0, mt < 8 ? mt : 8, BITS,     \
+                                              out + r * mt);                                  \
+  }
+FUSED_FOR_BITS(4)
+FUSED_FOR_BITS(5)
+FUSED_FOR_BITS(6)
+FUSED_FOR_BITS(8)
+
+static void fused(const QWeight* w, int64_t n0, int nr, const QAct* a, int64_t m0, int mt,
+                  float* out) {
+  switch (w->bits) {
+    case 4: fused_b4(w, n0, nr, a, m0, mt, out); break;
+    case 5: fused_b5(w, n0, nr, a, m0, mt, out); break;
+    case 6: fused_b6(w, n0, nr, a, m0, mt, out); break;
+    default: fused_b8(w, n0, nr, a, m0, mt, out);
   }
 }
 #endif
@@ -276,48 +330,61 @@ int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const float* 
       ok = 0;
     } else {
 #pragma omp for schedule(static)
-      for (int64_t n = 0; n < N; n++) {
+      for (int64_t nb = 0; nb < (N + 3) / 4; nb++) {
+        const int64_t n0 = 4 * nb;
+        const int nr = N - n0 < 4 ? (int)(N - n0) : 4;
+        // pass widths: 4 activation rows with 4 weight rows, else 8 with 2 (or 1)
+        const int width = M <= 4 ? 4 : 8;
+        for (int64_t m0 = 0; m0 < M; m0 += width) {
+          const int mt = M - m0 < width ? (int)(M - m0) : width;
+          float dots[4 * MT_MAX];
 #ifdef PAGEDLM_VNNI
-        if (isa == 1)
-          unpack_row_avx512(&w, n, wq);
-        else
+          if (isa == 1) {
+            if (mt <= 4) {
+              fused(&w, n0, nr, &a, m0, mt, dots);
+            } else {
+              for (int r = 0; r < nr; r += 2) {
+                const int pair = nr - r < 2 ? nr - r : 2;
+                if (pair == 2 && mt == 8) {
+                  fused(&w, n0 + r, 2, &a, m0, 8, dots + r * mt);
+                } else {
+                  fused(&w, n0 + r, pair, &a, m0, mt, dots + r * mt);
+                }
+              }
+            }
+          } else
 #endif
-          unpack_row_portable(&w, n, wq);
-        const float* sc = scales + n * subs;
-        if (isa == 0) {
-          const int per = group / 4;  // lanes per sub-block
-          for (int64_t sb = 0; sb < subs; sb++)
-            for (int i = 0; i < per; i++) wl[sb * per + i] = sc[sb];
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
-          const int mt = M - m0 < MT_MAX ? (int)(M - m0) : MT_MAX;
-          float dots[MT_MAX];
-#ifdef PAGEDLM_VNNI
-          if (isa == 1)
-            row_dots_vnni(wq, sc, group, &a, m0, mt, K, dots);
-          else
-#endif
-            row_dots_portable(wq, wl, &a, m0, mt, K, dots);
-          for (int j = 0; j < mt; j++) {
-            float v = dots[j];
-            if (mins != NULL) {
-              const float* mn = mins + n * subs;
-              const float* ss = a.sub_sum + (m0 + j) * subs;
-              float t = 0.f;
+          {
+            for (int r = 0; r < nr; r++) {
+              unpack_row_portable(&w, n0 + r, wq);
+              const float* sc = scales + (n0 + r) * subs;
+              const int per = group / 4;  // lanes per sub-block
+              for (int64_t sb = 0; sb < subs; sb++)
+                for (int i = 0; i < per; i++) wl[sb * per + i] = sc[sb];
+              row_dots_portable(wq, wl, &a, m0, mt, K, dots + r * mt);
+            }
+          }
+          for (int r = 0; r < nr; r++) {
+            const int64_t n = n0 + r;
+            float bv = 0.f;
+            if (bias != NULL) load_row(bias, n, 1, bf16, &bv);
+            for (int j = 0; j < mt; j++) {
+              float v = dots[r * mt + j];
+              if (mins != NULL) {
+                const float* mn = mins + n * subs;
+                const float* ss = a.sub_sum + (m0 + j) * subs;
+                float t = 0.f;
 #pragma omp simd reduction(+ : t)
-              for (int64_t s = 0; s < subs; s++) t += mn[s] * ss[s];
-              v -= t;
-            }
-            if (bias != NULL) {
-              float bv;
-              load_row(bias, n, 1, bf16, &bv);
+                for (int64_t s = 0; s < subs; s++) t += mn[s] * ss[s];
+                v -= t;
+              }
               v += bv;
+              const int64_t at = (m0 + j) * N + n;
+              if (bf16)
+                ((uint16_t*)y)[at] = to_bf16(v);
+              else
+                ((float*)y)[at] = v;
             }
-            const int64_t at = (m0 + j) * N + n;
-            if (bf16)
-              ((uint16_t*)y)[at] = to_bf16(v);
-            else
-              ((float*)y)[at] = v;
           }
         }
       }
@@ -328,6 +395,39 @@ int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const float* 
   free_act(&a);
   return ok;
 }
+
+#ifdef PAGEDLM_VNNI
+// Row n of W into out at `at` (bf16 or fp32), 16 values per step: (float)(q - offset) * scale,
+// then - min, unfused as in the PyTorch twin. Returns 1 (0: group size not handled here).
+__attribute__((optimize("fp-contract=off"))) static int dequantize_row_avx512(
+    const QWeight* w, int64_t n, void* out, int64_t at, int bf16) {
+  const int64_t subs = w->K / w->group;
+  const float* sc = w->scales + n * subs;
+  const float* mn = w->mins == NULL ? NULL : w->mins + n * subs;
+  const __m512i offset = _mm512_set1_epi32(w->offset);
+  for (int64_t c = 0; c < w->K / 64; c++) {
+    __m512i v;
+    switch (w->bits) {
+      case 4: v = unpack_chunk(w, n, c, 4); break;
+      case 5: v = unpack_chunk(w, n, c, 5); break;
+      case 6: v = unpack_chunk(w, n, c, 6); break;
+      default: v = unpack_chunk(w, n, c, 8);
+    }
+    uint8_t bytes[64];
+    _mm512_storeu_si512(bytes, v);
+    for (int i = 0; i < 4; i++) {  // 16 values; a sub-block (16 or 32) never straddles them
+      const int64_t k = 64 * c + 16 * i;
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(bytes + 16 * i)));
+      const int64_t sb = k / w->group;
+      __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, offset)),
+                               _mm512_set1_ps(sc[sb]));
+      if (mn != NULL) x = _mm512_sub_ps(x, _mm512_set1_ps(mn[sb]));
+      store16(out, at + k, x, bf16);
+    }
+  }
+  return 1;
+}
+#endif
 
 // out[(n - n0) * K + k] = W[n][k] for n0 <= n < n1, bf16 or fp32, computed as
 // (float)(q - offset) * scale, then - min: the PyTorch twin's operations, unfused.
@@ -349,6 +449,7 @@ __attribute__((optimize("fp-contract=off"))) int gguf_dequantize_rows(
 #pragma omp for schedule(static)
       for (int64_t n = n0; n < n1; n++) {
 #ifdef PAGEDLM_VNNI
+        if (dequantize_row_avx512(&w, n, out, (n - n0) * K, bf16)) continue;
         unpack_row_avx512(&w, n, q);
 #else
         unpack_row_portable(&w, n, q);

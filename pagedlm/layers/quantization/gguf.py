@@ -31,7 +31,7 @@ from pagedlm.layers.quantization.gguf_pack import (
 )
 from pagedlm.model_loader.gguf_quants import dequantize
 
-GEMV_ROWS = 16  # up to here the integer GEMV; past it dequantized tiles through oneDNN
+GEMV_ROWS = 32  # integer GEMV up to here, dequantized tiles + oneDNN past it (crossover 32-64)
 _TILE_VALUES = 1 << 20  # weight values dequantized per prefill tile (2 MB in bf16)
 
 
