@@ -179,3 +179,24 @@ def test_ipc_handles_in_process_tensors_and_bad_handles(tiny_qwen2, tmp_path):
     llm.update_weights({"update_info": dict(info, ipc_handles=[new_state[n] for n in names])})
     llm.finish_weight_update(weight_version="in-process")
     assert_close(run(llm), want)
+
+
+def test_tied_embeddings_update_the_lm_head_too(tiny_model_factory, tmp_path):
+    """With tie_word_embeddings the LM head reads the embedding (plus a prepacked copy): an
+    update of model.embed_tokens.weight must reach both; level-2 sleep + reload keeps them tied."""
+    tied = tiny_model_factory("qwen2", tie_word_embeddings=True)
+    new_state = perturbed_checkpoint(tied, tmp_path / "new")
+    name = "model.embed_tokens.weight"
+    mixed = load_file(str(tied / "model.safetensors"))
+    mixed[name] = new_state[name]
+    shutil.copytree(tied, tmp_path / "mixed")
+    save_file(mixed, str(tmp_path / "mixed" / "model.safetensors"), metadata={"format": "pt"})
+    want = run(LLM(str(tmp_path / "mixed"), **ENGINE))
+    llm = LLM(str(tied), enable_sleep_mode=True, **ENGINE)
+    before = run(llm)
+    llm.apply_model(lambda m: m.load_weights([(name, new_state[name])]))
+    assert_close(run(llm), want)
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.collective_rpc("reload_weights")
+    assert run(llm) == before
