@@ -64,6 +64,7 @@ class WorkerControlMixin:
         from pagedlm.model_loader.loader import iterate_checkpoint
 
         self._model.load_weights(iterate_checkpoint(self.vllm_config.model_config))
+        release_memory_to_os()  # the checkpoint's staging copies
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from pagedlm.distributed.weight_transfer import WeightTransferEngineFactory
