@@ -1,4 +1,5 @@
-"""The control plane on the packaged 0.5B model (bf16, GGUF-dequantized, tied embeddings)."""
+"""The control plane on the packaged 0.5B model (GGUF, tied embeddings): dequantized (bf16)
+weights take updates and level-2 sleep; packed GGUF weights refuse both clearly."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.model_loader.reload import current_dense
 
 pytestmark = pytest.mark.slow
 MODEL = "qwen2.5-coder-0.5b-instruct"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
 PROMPT = "def fibonacci(n):"
+NAME = "model.layers.3.mlp.down_proj.weight"
 
 
 def run(llm: LLM):
@@ -18,7 +21,8 @@ def run(llm: LLM):
     return out.token_ids, [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
 
 
-def test_sleep_level2_reload_and_weight_update_on_real_model():
+def test_dequantized_real_model_sleeps_reloads_and_updates(monkeypatch):
+    monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", "1")
     llm = LLM(MODEL, enable_sleep_mode=True, max_model_len=1024)
     before = run(llm)
     llm.sleep(level=2)
@@ -28,10 +32,23 @@ def test_sleep_level2_reload_and_weight_update_on_real_model():
     llm.collective_rpc("reload_weights")
     assert run(llm) == before
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    name = "model.layers.3.mlp.down_proj.weight"
-    original = dict(model.named_parameters())[name]
-    dense = original.data.to_dense() if original.is_mkldnn else original.data.clone()
-    model.load_weights([(name, torch.zeros_like(dense))])
+    layer = model.get_submodule(NAME.removesuffix(".weight"))
+    dense = current_dense(layer, layer.weight, (896, 4864))  # from its compute layout
+    model.load_weights([(NAME, torch.zeros_like(dense))])
     assert run(llm) != before
-    model.load_weights([(name, dense)])
+    model.load_weights([(NAME, dense)])
+    assert run(llm) == before
+
+
+def test_packed_gguf_weights_refuse_updates_and_level2(monkeypatch):
+    monkeypatch.delenv("PAGEDLM_GGUF_DEQUANTIZE", raising=False)
+    llm = LLM(MODEL, enable_sleep_mode=True, max_model_len=1024)
+    before = run(llm)
+    with pytest.raises(ValueError, match="held quantized"):
+        llm.apply_model(lambda m: m.load_weights([(NAME, torch.zeros(896, 4864))]))
+    with pytest.raises(NotImplementedError, match="quantized weights"):
+        llm.sleep(level=2)
+    assert not llm.is_sleeping()
+    llm.sleep(level=1)
+    assert llm.wake_up() is True
     assert run(llm) == before
