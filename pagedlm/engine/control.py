@@ -93,6 +93,8 @@ class EngineControlMixin:
                 f"sleep(level={level}) frees memory and needs LLM(..., enable_sleep_mode=True);"
                 " sleep(level=0) only pauses scheduling."
             )
+        if level == 2:  # before touching any request: quantized weights cannot be discarded
+            self.model_executor.collective_rpc("check_can_sleep", args=(level,))
         self._settle_requests(mode)
         self.sleep_level = max(self.sleep_level, level) if self.asleep else level
         self.asleep.add("scheduling")

@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,28 +26,32 @@ from torch import nn
 _DERIVED_ATTRS = ("packed_weight", "logits_weight")  # prepacked copies of a module's weight
 
 
-def _derived_layout(param: torch.Tensor) -> bool:
-    """A parameter replaced by a compute layout: oneDNN's prepacked, or the AVX-512 BF16
-    small-batch kernel's blocked [N/16, K/2, 16, 2] copy."""
-    return param.is_mkldnn or (param.dim() == 4 and tuple(param.shape[2:]) == (16, 2))
+def _loader(model: nn.Module, name: str, param: nn.Parameter) -> Any:
+    """A linear layer's own tensor-parallel loader (its quant method may wrap the param's);
+    any other parameter's `weight_loader`."""
+    from pagedlm.layers.linear import LinearBase
+
+    module, _ = _owner(model, name)
+    if isinstance(module, LinearBase):
+        return module.weight_loader
+    return getattr(param, "weight_loader", None)
 
 
-def _dense_of(param: torch.Tensor) -> torch.Tensor:
-    """The dense [out, in] weight of a parameter in a derived layout (a copy)."""
-    if param.is_mkldnn:
-        return param.data.to_dense()
-    if param.dim() == 4:
-        from pagedlm.kernels.cpu import unblock_small_batch_weight
+def quantized_method(module: nn.Module) -> str | None:
+    """The name of a layer's quantized linear method, None when its weight is dense."""
+    from pagedlm.layers.quantization.base import UnquantizedLinearMethod
 
-        return unblock_small_batch_weight(param.data)
-    return param.data.clone()
+    method = getattr(module, "quant_method", None)
+    if method is None or isinstance(method, UnquantizedLinearMethod):
+        return None
+    return type(method).__name__
 
 
 def finalize_weights(model: nn.Module) -> None:
     """Record loaders and dense specs, then build the derived (prepacked) copies."""
     params = model.named_parameters(remove_duplicate=False)
     model._pagedlm_weight_specs = {  # type: ignore[assignment]
-        name: (getattr(p, "weight_loader", None), tuple(p.shape), p.dtype) for name, p in params
+        name: (_loader(model, name, p), tuple(p.shape), p.dtype) for name, p in params
     }
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
@@ -96,6 +101,63 @@ def checkpoint_shape(
     return local_shape
 
 
+def dense_weight(param: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A dense [out, in] copy of a weight, also from a prepacked (oneDNN) layout, whose
+    `to_dense()` is the blocked layout for bf16: y = I W^T through the packed weight is exact
+    (one nonzero product per output, accumulated in fp32)."""
+    from pagedlm.layers.linear import linear
+
+    if not param.is_mkldnn:
+        return param.data.clone()
+    out_features, in_features = shape
+    rows = []
+    for start in range(0, in_features, 1024):
+        n = min(1024, in_features - start)
+        eye = torch.zeros(n, in_features, dtype=param.dtype)
+        eye[:, start : start + n] = torch.eye(n, dtype=param.dtype)
+        rows.append(linear(eye, param.data))
+    return torch.cat(rows).t().contiguous()
+
+
+def _validate(
+    model: nn.Module,
+    specs: dict,
+    params: dict[str, nn.Parameter],
+    mapping: list[tuple[str, str, object]],
+    name: str,
+    tensor: Any,
+) -> tuple[str, object]:
+    """The (parameter, shard id) a checkpoint tensor loads into; ValueError if it cannot."""
+    from pagedlm.models.weight_utils import resolve_weight_name
+
+    resolved = resolve_weight_name(name, specs.keys(), mapping)
+    if resolved is None:
+        raise ValueError(
+            f"weight {name!r} matches no parameter of the model (nothing was loaded); names "
+            "are the Hugging Face checkpoint's, e.g. 'model.layers.0.self_attn.q_proj.weight'."
+        )
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise ValueError(
+            f"weight {name!r} must be a floating-point tensor, got "
+            f"{getattr(tensor, 'dtype', type(tensor))} (nothing was loaded)."
+        )
+    target, shard_id = resolved
+    method = quantized_method(_owner(model, target)[0])
+    if method is not None or target not in params:
+        raise ValueError(
+            f"weight {name!r} is held quantized in this engine ({method or 'packed'}); weight "
+            "updates need dense weights: load the model with quantization=None (for GGUF "
+            "files also PAGEDLM_GGUF_DEQUANTIZE=1). Nothing was loaded."
+        )
+    expected = checkpoint_shape(model, target, shard_id, specs[target][1])
+    if tuple(tensor.shape) != expected:
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {expected} "
+            "(the whole checkpoint tensor; nothing was loaded)."
+        )
+    return target, shard_id
+
+
 def load_weights_incremental(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -103,42 +165,26 @@ def load_weights_incremental(
     skip_suffixes: tuple[str, ...] = (),
 ) -> set[str]:
     """Load any subset of checkpoint-named tensors into a finalized model, all or nothing."""
-    from pagedlm.models.weight_utils import resolve_weight_name
-
     specs: dict = model._pagedlm_weight_specs  # type: ignore[assignment]
     params = dict(model.named_parameters(remove_duplicate=False))
-    staged: dict[str, torch.Tensor] = {}
+    items = []  # (name, tensor, target, shard id), all validated before anything is staged
     shards: dict[str, set[object]] = {}
     for name, tensor in weights:
         if name.endswith(skip_suffixes):
             continue
-        resolved = resolve_weight_name(name, specs.keys(), stacked_params_mapping)
-        if resolved is None:
-            raise ValueError(
-                f"weight {name!r} matches no parameter of the model (nothing was loaded); "
-                "names are the Hugging Face checkpoint's, e.g. 'model.layers.0.self_attn.q_proj"
-                ".weight'."
-            )
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            raise ValueError(
-                f"weight {name!r} must be a floating-point tensor, got "
-                f"{getattr(tensor, 'dtype', type(tensor))} (nothing was loaded)."
-            )
-        target, shard_id = resolved
-        _refuse_quantized(model, target, name)
+        target, shard_id = _validate(model, specs, params, stacked_params_mapping, name, tensor)
+        items.append((name, tensor, target, shard_id))
+        shards.setdefault(target, set()).add(shard_id)
+    staged: dict[str, torch.Tensor] = {}
+    for name, tensor, target, shard_id in items:
         loader, shape, dtype = specs[target]
-        expected = checkpoint_shape(model, target, shard_id, shape)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                f"{expected} (the whole checkpoint tensor; nothing was loaded)."
-            )
         if target not in staged:
             param = params[target]
-            if param.numel() == 0:  # discarded (sleep level 2)
+            whole = shards[target] >= _expected_shards(target, stacked_params_mapping)
+            if whole or param.numel() == 0:  # every shard given, or discarded (sleep level 2)
                 staged[target] = torch.zeros(shape, dtype=dtype)
-            else:
-                staged[target] = _dense_of(param)
+            else:  # the shards not given keep their values
+                staged[target] = current_dense(_owner(model, target)[0], param, shape)
         try:
             if shard_id is None:
                 loader(staged[target], tensor.detach())
@@ -146,7 +192,6 @@ def load_weights_incremental(
                 loader(staged[target], tensor.detach(), shard_id)
         except (ValueError, RuntimeError, IndexError) as e:
             raise ValueError(f"weight {name!r}: {e} (nothing was loaded)") from e
-        shards.setdefault(target, set()).add(shard_id)
     if staged:
         _note_restored(model, params, shards)  # before commit: ids of the old objects
         _commit(model, params, staged)
@@ -154,22 +199,10 @@ def load_weights_incremental(
     return set(staged)
 
 
-def _refuse_quantized(model: nn.Module, target: str, name: str) -> None:
-    """Quantized layers (GGUF blocks, int8) hold no dense weight to update in place."""
-    from pagedlm.layers.quantization import UnquantizedLinearMethod
-
-    method = getattr(_owner(model, target)[0], "quant_method", None)
-    if method is not None and not isinstance(method, UnquantizedLinearMethod):
-        raise NotImplementedError(
-            f"weight {name!r} belongs to a {type(method).__name__} layer: updating quantized "
-            "weights is not supported (nothing was loaded); load the model with "
-            "quantization=None (GGUF files: PAGEDLM_GGUF_DEQUANTIZE=1) to update it."
-        )
-
-
 def _commit(
     model: nn.Module, params: dict[str, nn.Parameter], staged: dict[str, torch.Tensor]
 ) -> None:
+    specs: dict = model._pagedlm_weight_specs  # type: ignore[assignment]
     touched = {id(params[t]) for t in staged}
     owners = set()
     for t in staged:
@@ -177,22 +210,55 @@ def _commit(
         owners.add((id(module), attr))
     for target, dense in staged.items():
         param = params[target]
-        if _derived_layout(param):  # a compute layout replaced it: put the dense weight back
-            module, attr = _owner(model, target)
-            setattr(module, attr, nn.Parameter(dense, requires_grad=False))
-        elif param.numel() == 0:
+        module, attr = _owner(model, target)
+        if param.numel() == 0:  # discarded: same object, so tied aliases see it
             param.data = dense
+        elif _is_transformed(param, specs[target][1]):  # a compute layout replaced it
+            setattr(module, attr, nn.Parameter(dense, requires_grad=False))
         else:
             param.data.copy_(dense)
     for module in model.modules():
         if not hasattr(module, "process_weights_after_loading"):
             continue
-        own = module.named_parameters(recurse=False)
-        if any(id(p) in touched or (id(module), n) in owners for n, p in own):
-            for attr, param in list(module.named_parameters(recurse=False)):
-                if _derived_layout(param):  # untouched but repacked: processing starts dense
-                    setattr(module, attr, nn.Parameter(_dense_of(param), requires_grad=False))
-            module.process_weights_after_loading()
+        own = list(module.named_parameters(recurse=False))
+        if not any(id(p) in touched or (id(module), n) in owners for n, p in own):
+            continue
+        prefix = _module_name(model, module)
+        for attr, param in own:  # untouched but in a compute layout: processing needs dense
+            spec_shape = specs[f"{prefix}{attr}"][1]
+            if param.numel() and _is_transformed(param, spec_shape):
+                dense = current_dense(module, param, spec_shape)
+                setattr(module, attr, nn.Parameter(dense, requires_grad=False))
+        for attr in _DERIVED_ATTRS:
+            if isinstance(getattr(module, attr, None), torch.Tensor):
+                setattr(module, attr, None)
+        module.process_weights_after_loading()
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return f"{name}." if name else ""
+    raise KeyError("module not in model")
+
+
+def _is_transformed(param: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """True when processing replaced the dense weight by a compute layout (oneDNN prepacked,
+    or the small-batch kernel's blocked copy)."""
+    return param.is_mkldnn or tuple(param.shape) != tuple(shape)
+
+
+def current_dense(module: nn.Module, param: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The dense [out, in] values of a parameter, whatever layout holds them now."""
+    if not _is_transformed(param, shape):
+        return param.data.clone()
+    if param.is_mkldnn:
+        return dense_weight(param, shape)
+    for attr in _DERIVED_ATTRS:  # the blocked small-batch copy: read the prepacked one
+        packed = getattr(module, attr, None)
+        if isinstance(packed, torch.Tensor) and packed.is_mkldnn:
+            return dense_weight(packed, shape)
+    raise RuntimeError(f"cannot recover the dense values of a {tuple(param.shape)} weight")
 
 
 def _note_restored(
@@ -213,8 +279,20 @@ def _note_restored(
                 del discarded[name]
 
 
+def check_can_discard(model: nn.Module) -> None:
+    """Raise unless every weight could be freed and loaded again (dense layers only)."""
+    quantized = {quantized_method(m) for m in model.modules()} - {None}
+    if quantized:
+        raise NotImplementedError(
+            f"sleep(level=2) with quantized weights ({', '.join(sorted(quantized))}) is not "
+            "supported: they could not be reloaded into their packed layout; use level 1, or "
+            "load the model with quantization=None (GGUF: PAGEDLM_GGUF_DEQUANTIZE=1)."
+        )
+
+
 def discard_weights(model: nn.Module, mapping: list[tuple[str, str, object]]) -> int:
     """Free every parameter's storage and derived copies; returns the bytes released."""
+    check_can_discard(model)
     freed = 0
     seen: set[int] = set()
     for module in model.modules():

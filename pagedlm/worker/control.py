@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pagedlm.model_loader.reload import discard_weights, weights_missing
+from pagedlm.model_loader.reload import check_can_discard, discard_weights, weights_missing
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class WorkerControlMixin:
         from pagedlm.model_loader.loader import iterate_checkpoint
 
         self._model.load_weights(iterate_checkpoint(self.vllm_config.model_config))
+        release_memory_to_os()  # the checkpoint's staging copies
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from pagedlm.distributed.weight_transfer import WeightTransferEngineFactory
@@ -142,6 +143,10 @@ class WorkerControlMixin:
 
     def kv_cache_nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.model_runner.kv_caches)
+
+    def check_can_sleep(self, level: int) -> None:
+        if level >= 2:
+            check_can_discard(self._model)
 
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache (level >= 1) and the weights (level 2); returns bytes freed."""

@@ -201,5 +201,26 @@ def test_partial_update_in_bf16_through_repacked_weights(tiny_qwen2, tmp_path):
 def test_quantized_layers_refuse_updates(tiny_qwen2):
     llm = LLM(str(tiny_qwen2), **dict(ENGINE, quantization="int8"))
     name = "model.layers.0.self_attn.q_proj.weight"
-    with pytest.raises(NotImplementedError, match="Int8WeightOnlyLinearMethod layer"):
+    with pytest.raises(ValueError, match="held quantized in this engine \\(Int8WeightOnly"):
         llm.apply_model(lambda m: m.load_weights([(name, torch.zeros(64, 64))]))
+
+
+def test_tied_embeddings_update_the_lm_head_too(tiny_model_factory, tmp_path):
+    """With tie_word_embeddings the LM head reads the embedding (plus a prepacked copy): an
+    update of model.embed_tokens.weight must reach both; level-2 sleep + reload keeps them tied."""
+    tied = tiny_model_factory("qwen2", tie_word_embeddings=True)
+    new_state = perturbed_checkpoint(tied, tmp_path / "new")
+    name = "model.embed_tokens.weight"
+    mixed = load_file(str(tied / "model.safetensors"))
+    mixed[name] = new_state[name]
+    shutil.copytree(tied, tmp_path / "mixed")
+    save_file(mixed, str(tmp_path / "mixed" / "model.safetensors"), metadata={"format": "pt"})
+    want = run(LLM(str(tmp_path / "mixed"), **ENGINE))
+    llm = LLM(str(tied), enable_sleep_mode=True, **ENGINE)
+    before = run(llm)
+    llm.apply_model(lambda m: m.load_weights([(name, new_state[name])]))
+    assert_close(run(llm), want)
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.collective_rpc("reload_weights")
+    assert run(llm) == before
