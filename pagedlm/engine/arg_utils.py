@@ -52,6 +52,7 @@ _HELP: dict[str, str] = {
     "override_generation_config": "JSON dict merged over the generation config.",
     "enforce_eager": "Run the model eagerly (no torch.compile).",
     "load_format": "auto, safetensors, gguf or dummy (random weights).",
+    "model_impl": "auto or vllm: pagedlm's own model implementations (transformers: no).",
 }
 
 # Options vLLM has that we accept only at their default value; anything else is rejected clearly.
@@ -65,6 +66,7 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "cpu_offload_gb": 0,
     "enable_prompt_embeds": False,
     "kv_cache_dtype": "auto",
+    "enable_sleep_mode": False,
 }
 
 
@@ -125,6 +127,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     cpu_offload_gb: float = 0
     enable_prompt_embeds: bool = False
+    enable_sleep_mode: bool = False
+    model_impl: str = "auto"
     async_scheduling: bool | None = None
     distributed_executor_backend: str | None = None
     compilation_config: Any = None
@@ -139,6 +143,11 @@ class EngineArgs:
         if self.convert not in ("auto", "none", "embed", "classify"):
             raise ValueError(
                 f"convert must be auto, none, embed or classify, got {self.convert!r}."
+            )
+        if self.model_impl not in ("auto", "vllm"):
+            raise NotImplementedError(
+                f"model_impl={self.model_impl!r} is not supported: pagedlm runs its own model "
+                "implementations (model_impl='auto' or 'vllm')."
             )
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")

@@ -35,6 +35,7 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         from vllm.v1.metrics.reader import Counter
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.distributed import cleanup_dist_env_and_memory
+        from vllm.utils.network_utils import get_ip, get_open_port
         from vllm.exceptions import VLLMValidationError
         from vllm.logprobs import Logprob
         import pagedlm.engine.async_llm as a, pagedlm.outputs as o
@@ -59,6 +60,8 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             ("lora_request", lambda: llm.generate("x", SamplingParams(max_tokens=1),
                 lora_request=LoRARequest("a", 1, "/nowhere"), use_tqdm=False)),
             ("missing", lambda: vllm.initialize_ray_cluster),
+            ("sleep", lambda: LLM({str(tiny_qwen2)!r}, enable_sleep_mode=True)),
+            ("impl", lambda: LLM({str(tiny_qwen2)!r}, model_impl="transformers")),
         ]:
             try:
                 call()
@@ -69,13 +72,14 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             isinstance=isinstance(outs[0], RequestOutput), errors=errors,
             chat=resolve_hf_chat_template(tok, None, None) == tok.chat_template,
             file=vllm.__file__, pagedlm_file=pagedlm.__file__,
+            port=0 < get_open_port() < 65536 and bool(get_ip()),
         )))
         """
     )
     got = json.loads(out.strip().splitlines()[-1])
     assert all(got["same"]), got["same"]
     assert got["version"] == got["dunder"] == "0.19.0+pagedlm"
-    assert got["isinstance"] and got["chat"]
+    assert got["isinstance"] and got["chat"] and got["port"]
     assert got["pagedlm_file"].startswith(str(REPO))
     errs = got["errors"]
     assert errs["lora"].startswith("NotImplementedError: enable_lora=True is not supported")
@@ -84,6 +88,8 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         errs["json"] == "NotImplementedError: Structured outputs are not supported by pagedlm yet."
     )
     assert errs["lora_request"].startswith("ValueError: Got lora_request")
+    assert errs["sleep"].startswith("NotImplementedError: enable_sleep_mode=True")
+    assert errs["impl"].startswith("NotImplementedError: model_impl='transformers'")
     assert errs["missing"].startswith("AttributeError: vllm.initialize_ray_cluster is not provided")
 
 
