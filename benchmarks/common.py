@@ -41,9 +41,19 @@ def default_model() -> str:
 
 
 def run_backend(
-    script: str, backend: str, spec_path: str, threads: int, vllm_python: str | None
+    script: str,
+    backend: str,
+    spec_path: str,
+    threads: int,
+    vllm_python: str | None,
+    vllm_default_binding: bool = False,
 ) -> dict:
-    """Run `script --worker backend --spec spec_path` and return its JSON result."""
+    """Run `script --worker backend --spec spec_path` and return its JSON result.
+
+    vLLM-CPU reserves a core for its scheduler by default (one compute thread on 2 cores);
+    unless `vllm_default_binding`, its OpenMP threads are bound to all `threads` cores, so
+    every engine computes with the same cores.
+    """
     python = vllm_python if backend == "vllm" else sys.executable
     if backend == "vllm" and not python:
         raise SystemExit("--vllm-python is needed for the vllm backend")
@@ -53,6 +63,9 @@ def run_backend(
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_CPU_KVCACHE_SPACE": "4",
     }
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    if backend == "vllm" and not vllm_default_binding:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     proc = subprocess.run(
         [python, script, "--worker", backend, "--spec", spec_path],
         env=env,
@@ -75,6 +88,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument(
+        "--vllm-default-binding",
+        action="store_true",
+        help="run vLLM-CPU with its default thread binding (one core kept for its scheduler) "
+        "instead of binding its threads to all --threads cores",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of the LLM-API backends (the --threads cores are split)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -90,12 +115,23 @@ def run_backends(
     script: str, backends: list[str], spec: dict, args: argparse.Namespace
 ) -> Iterator[tuple[str, dict]]:
     """Run each backend on `spec` in its own subprocess; yields (backend, result) in order."""
+    spec = {**spec, "tensor_parallel_size": args.tensor_parallel_size}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
         for backend in backends:
             print(f"running {backend} ...", file=sys.stderr, flush=True)
-            yield backend, run_backend(script, backend, f.name, args.threads, args.vllm_python)
+            yield (
+                backend,
+                run_backend(
+                    script,
+                    backend,
+                    f.name,
+                    args.threads,
+                    args.vllm_python,
+                    args.vllm_default_binding,
+                ),
+            )
     finally:
         os.unlink(f.name)
 
@@ -120,10 +156,17 @@ def make_llm(backend: str, spec: dict, **kwargs):
             dtype="bfloat16",
             gpu_memory_utilization=0.4,
             seed=0,
+            tensor_parallel_size=spec.get("tensor_parallel_size", 1),
             **kwargs,
         )
         return llm, SamplingParams
     sys.path.insert(0, str(ROOT))
     from pagedlm import LLM, SamplingParams
 
-    return LLM(spec["model"], max_model_len=spec["max_model_len"], **kwargs), SamplingParams
+    llm = LLM(
+        spec["model"],
+        max_model_len=spec["max_model_len"],
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        **kwargs,
+    )
+    return llm, SamplingParams

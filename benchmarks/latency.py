@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/latency.py --backends pagedlm,transformers,vllm \
         --vllm-python /path/to/vllm-venv/bin/python
+
+Long contexts: `--input-len 16000 --output-len 32` (--max-model-len is raised to fit);
+`--kv-cache-dtype fp8` runs pagedlm (and vLLM) with an fp8 KV cache.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from common import add_common_args, make_llm, model_and_vocab, run_backends, run
 
 
 def run_llm_api(backend: str, spec: dict) -> dict:
-    llm, sampling_params_cls = make_llm(backend, spec, max_num_seqs=1)
+    extra = {}
+    if spec.get("kv_cache_dtype", "auto") != "auto":
+        extra["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    llm, sampling_params_cls = make_llm(backend, spec, max_num_seqs=1, **extra)
     prompt = {"prompt_token_ids": spec["prompt"]}
 
     def timed(max_tokens: int) -> float:
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e5m2")
     args = parser.parse_args(argv)
     if args.worker:
         run_worker(WORKERS, args.worker, args.spec)
@@ -86,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         "prompt": [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)],
         "output_len": args.output_len,
         "repeats": args.repeats,
-        "max_model_len": args.max_model_len,
+        "max_model_len": max(args.max_model_len, args.input_len + args.output_len),
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     results = dict(run_backends(__file__, args.backends.split(","), spec, args))
     print(f"\nbatch 1, input {args.input_len}, output {args.output_len}, threads {args.threads}")

@@ -7,9 +7,12 @@ Each backend runs in its own subprocess (so peak RSS and threads are its own) on
 Hugging Face directory (default: the packaged Qwen2.5-Coder-0.5B-Instruct converted once with
 scripts/gguf_to_hf.py). Workloads: `random` (fixed lengths), `mixed` (lengths drawn from a wide
 distribution), `shared-prefix` (one long system prompt, short unique tails; pagedlm also runs
-with the prefix cache off). All requests use greedy decoding with ignore_eos, so every backend
-produces exactly the requested number of tokens. Prints a table with ratios to pagedlm;
-`--rounds N` runs the backends N times in turns and shows each one's median round.
+with the prefix cache off), `long` (8 prompts x 4096 in / 64 out) and `long-single` (1 prompt x
+16000 in / 32 out); the long workloads fix their own lengths and raise --max-model-len to fit.
+`--kv-cache-dtype fp8` runs pagedlm (and vLLM) with an fp8 KV cache. All requests use greedy
+decoding with ignore_eos, so every backend produces exactly the requested number of tokens.
+Prints a table with ratios to pagedlm; `--rounds N` runs the backends N times in turns and
+shows each one's median round.
 """
 
 from __future__ import annotations
@@ -43,13 +46,26 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[tuple[list[int],
     if args.workload == "shared-prefix":
         prefix = ids(args.prefix_len)
         return [(prefix + ids(32), args.output_len) for _ in range(args.num_prompts)]
+    if args.workload in LONG_WORKLOADS:
+        num, n_in, n_out = LONG_WORKLOADS[args.workload]
+        return [(ids(n_in), n_out) for _ in range(num)]
     raise ValueError(args.workload)
+
+
+LONG_WORKLOADS = {"long": (8, 4096, 64), "long-single": (1, 16000, 32)}  # prompts, in, out
 
 
 # -------------------------------------------------------------------- workers
 def run_llm_api(backend: str, spec: dict, prefix_caching: bool = True) -> dict:
+    extra = {}
+    if spec.get("kv_cache_dtype", "auto") != "auto":
+        extra["kv_cache_dtype"] = spec["kv_cache_dtype"]
     llm, sampling_params_cls = make_llm(
-        backend, spec, max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=prefix_caching
+        backend,
+        spec,
+        max_num_seqs=spec["max_num_seqs"],
+        enable_prefix_caching=prefix_caching,
+        **extra,
     )
     requests = spec["requests"]
     params = [
@@ -147,8 +163,11 @@ def print_table(results: dict[str, dict], num_requests: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--workload", default="random", choices=["random", "mixed", "shared-prefix"]
+        "--workload",
+        default="random",
+        choices=["random", "mixed", "shared-prefix", *LONG_WORKLOADS],
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e5m2")
     add_common_args(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prefix-len", type=int, default=1024)
@@ -172,10 +191,12 @@ def main(argv: list[str] | None = None) -> None:
     backends = args.backends.split(",")
     if args.workload == "shared-prefix" and "pagedlm" in backends:
         backends.insert(backends.index("pagedlm") + 1, "pagedlm-nocache")
+    longest = max(len(p) + n for p, n in requests)
     spec = {
         "model": model,
         "requests": requests,
-        "max_model_len": args.max_model_len,
+        "max_model_len": max(args.max_model_len, longest),
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_seqs": args.max_num_seqs,
         "hf_batch_sizes": [int(b) for b in args.hf_batch_sizes.split(",")],
     }

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedlm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +82,12 @@ class ModelConfig:
     load_format: str = "auto"
     enforce_eager: bool = True
     gguf_file: str | None = None
+    quantization: str | None = None  # linear method: None, "gguf" or "int8"
     runner_type: str = "generate"  # resolved: "generate" or "pooling"
     runner: str = "auto"  # as requested
     convert: str = "auto"
     pooling_task: str | None = None  # "embed" or "classify" for pooling models
+    return_sampling_mask: bool = False  # CompletionOutput.sampling_mask for every request
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -141,6 +144,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8 cache: k/v scales from the first batch (vLLM's)
     num_gpu_blocks: int | None = None
 
 
@@ -156,17 +160,189 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Engine-level options (vLLM's ``StructuredOutputsConfig``); only xgrammar is built in."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    @classmethod
+    def from_any(cls, value: Any) -> StructuredOutputsConfig:
+        """From None, a config, or a dict (unknown keys are dropped, as vLLM does)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"structured_outputs_config must be a dict, got {type(value)}")
+        known = {k: v for k, v in value.items() if k in cls.__dataclass_fields__}
+        config = cls(**known)
+        if config.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config backend {config.backend!r} is not available; "
+                f"pagedlm supports {', '.join(STRUCTURED_OUTPUT_BACKENDS)}."
+            )
+        return config
+
+
 @dataclass
 class ParallelConfig:
-    """Process layout; pagedlm runs one engine process (EngineArgs rejects other sizes)."""
+    """How many ranks run the model and how they are started.
+
+    `world_size` = tensor_parallel_size (pipeline parallelism is refused). Data-parallel
+    ranks are separate engine processes (see examples/data_parallel.py): each engine knows its
+    rank only to report it.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    distributed_executor_backend: str = "uni"  # "uni": in this process; "mp": one per rank
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+_SPEC_METHODS = ("ngram",)  # "draft_model": not yet (refused by name)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: propose `num_speculative_tokens` draft tokens per decode, verify
+    them in one forward of the target model, keep the longest accepted prefix plus one token.
+
+    `method="ngram"` looks the drafts up in the request's own tokens (prompt lookup: the
+    latest earlier occurrence of its last `prompt_lookup_max`..`prompt_lookup_min` tokens);
+    `"draft_model"` runs the smaller `model` (same tokenizer).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+
+    @staticmethod
+    def from_dict(config: dict[str, Any]) -> SpeculativeConfig:
+        config = dict(config)
+        method = config.pop("method", None) or ("draft_model" if config.get("model") else None)
+        if method not in _SPEC_METHODS:
+            raise NotImplementedError(
+                f"speculative_config method={method!r} is not supported by pagedlm (supported: "
+                f"{', '.join(_SPEC_METHODS)})."
+            )
+        known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        unknown = set(config) - known
+        if unknown:
+            raise NotImplementedError(
+                f"speculative_config keys {sorted(unknown)} are not supported by pagedlm "
+                f"(supported: method, {', '.join(sorted(known))})."
+            )
+        spec = SpeculativeConfig(method=method, **config)
+        if spec.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be at least 1, got {spec.num_speculative_tokens}."
+            )
+        if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{spec.prompt_lookup_min} and {spec.prompt_lookup_max}."
+            )
+        if method == "draft_model" and not spec.model:
+            raise ValueError("speculative_config method='draft_model' needs a 'model'.")
+        return spec
+
+
+@dataclass
+class WeightTransferConfig:
+    """How a trainer's weights reach the workers: "ipc" (shared-memory tensors, one machine)
+    or "gloo" (a torch.distributed group between the trainer and every worker)."""
+
+    backend: str = "ipc"
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("ipc", "gloo"):
+            hint = " (NCCL needs CUDA; on CPU use 'gloo')" if self.backend == "nccl" else ""
+            raise ValueError(
+                f"WeightTransferConfig(backend={self.backend!r}) is not available{hint}; "
+                "use 'ipc' or 'gloo'."
+            )
+
+
+@dataclass
+class ProfilerConfig:
+    """vLLM's profiler options; only the torch profiler exists on CPU.
+
+    `torch_profiler_dir` set (here or by VLLM_TORCH_PROFILER_DIR) with `profiler=None`
+    selects "torch". Traces are Chrome trace JSON (gzipped when `torch_profiler_use_gzip`).
+    """
+
+    profiler: str | None = None
+    torch_profiler_dir: str = ""
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    torch_profiler_dump_cuda_time_total: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    capture_torch_profiler: bool = False
+    detailed_trace_annotation: bool = False
+    ignore_frontend: bool = False
+    delay_iterations: int = 0
+    max_iterations: int = 0
+    warmup_iterations: int = 0
+    active_iterations: int = 5
+    wait_iterations: int = 0
+
+    def __post_init__(self) -> None:
+        if self.profiler is None and self.torch_profiler_dir:
+            self.profiler = "torch"
+        if self.profiler not in (None, "torch"):
+            raise ValueError(
+                f"ProfilerConfig(profiler={self.profiler!r}) is not available on CPU; use 'torch'."
+            )
+        if self.profiler == "torch" and not self.torch_profiler_dir:
+            raise ValueError("torch_profiler_dir must be set when profiler is 'torch'")
+        for name in ("delay_iterations", "max_iterations", "warmup_iterations"):
+            if getattr(self, name):
+                raise NotImplementedError(
+                    f"ProfilerConfig.{name} is not supported by pagedlm yet (only 0): the "
+                    "profile covers everything between start_profile() and stop_profile()."
+                )
+        if self.capture_torch_profiler:
+            raise NotImplementedError(
+                "ProfilerConfig.capture_torch_profiler needs CUDA graphs (not on CPU)."
+            )
+        if self.torch_profiler_dir and "://" not in self.torch_profiler_dir:
+            self.torch_profiler_dir = str(Path(self.torch_profiler_dir).expanduser().absolute())
+
+    @classmethod
+    def from_any(cls, value: ProfilerConfig | dict[str, Any] | None) -> ProfilerConfig:
+        """A ProfilerConfig from one, a dict, or None (VLLM_TORCH_PROFILER_* variables)."""
+        if isinstance(value, ProfilerConfig):
+            return value
+        if value is not None:
+            try:
+                return cls(**value)
+            except TypeError as e:
+                raise ValueError(f"Invalid profiler_config: {e}") from e
+        return cls(
+            torch_profiler_dir=envs.VLLM_TORCH_PROFILER_DIR or "",
+            torch_profiler_with_stack=envs.VLLM_TORCH_PROFILER_WITH_STACK,
+            torch_profiler_record_shapes=envs.VLLM_TORCH_PROFILER_RECORD_SHAPES,
+            torch_profiler_with_memory=envs.VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY,
+            torch_profiler_with_flops=envs.VLLM_TORCH_PROFILER_WITH_FLOPS,
+            torch_profiler_use_gzip=envs.VLLM_TORCH_PROFILER_USE_GZIP,
+        )
 
 
 @dataclass
@@ -174,6 +350,13 @@ class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    disable_log_stats: bool = False
-    device: str = field(default_factory=lambda: os.environ.get("PAGEDLM_DEVICE", "auto"))
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
+    weight_transfer_config: WeightTransferConfig | None = None
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    enable_sleep_mode: bool = False
+    disable_log_stats: bool = False
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
+    device: str = field(default_factory=lambda: envs.PAGEDLM_DEVICE)

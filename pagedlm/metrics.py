@@ -136,7 +136,27 @@ def _make_metrics() -> dict[str, Any]:
         "Count of successfully processed requests.",
         _LABELS + ["finished_reason"],
     )
+    for name, doc in _SPEC_COUNTERS.items():
+        _metrics[name] = c(name, doc, _LABELS)
+    _metrics[_SPEC_PER_POS] = c(
+        _SPEC_PER_POS, "Accepted tokens, per draft token position.", _LABELS + ["position"]
+    )
+    _metrics["vllm:engine_sleep_state"] = g(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+        "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        _LABELS + ["sleep_state"],
+    )
     return _metrics
+
+
+_SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+}
+_SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+_LABELED = ("vllm:request_success", _SPEC_PER_POS, "vllm:engine_sleep_state")
 
 
 @dataclass
@@ -170,6 +190,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decoding: Any = None  # core.scheduler.SpecDecodingStats, when speculative decoding
 
 
 class PrometheusStatLogger:
@@ -182,9 +203,17 @@ class PrometheusStatLogger:
         self.m = {
             name: metric.labels(**labels)
             for name, metric in metrics.items()
-            if name != "vllm:request_success"
+            if name not in _LABELED
         }
         self._success = metrics["vllm:request_success"]
+        self._per_pos = metrics[_SPEC_PER_POS]
+        self._sleep_state = metrics["vllm:engine_sleep_state"]
+
+    def record_sleep_state(self, awake: bool, weights_offloaded: bool, discard_all: bool) -> None:
+        states = {"awake": awake, "weights_offloaded": weights_offloaded}
+        states["discard_all"] = discard_all
+        for state, value in states.items():
+            self._sleep_state.labels(**self._labels, sleep_state=state).set(int(value))
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         m = self.m
@@ -194,6 +223,13 @@ class PrometheusStatLogger:
         m["vllm:prefix_cache_queries"].inc(sched.prefix_cache_queries)
         m["vllm:prefix_cache_hits"].inc(sched.prefix_cache_hits)
         m["vllm:num_preemptions"].inc(sched.num_preemptions)
+        spec = sched.spec_decoding
+        if spec is not None:
+            m["vllm:spec_decode_num_drafts"].inc(spec.num_drafts)
+            m["vllm:spec_decode_num_draft_tokens"].inc(spec.num_draft_tokens)
+            m["vllm:spec_decode_num_accepted_tokens"].inc(spec.num_accepted_tokens)
+            for pos, accepted in enumerate(spec.num_accepted_tokens_per_pos):
+                self._per_pos.labels(**self._labels, position=str(pos)).inc(accepted)
         m["vllm:prompt_tokens"].inc(it.num_prompt_tokens)
         m["vllm:generation_tokens"].inc(it.num_generation_tokens)
         for ttft in it.time_to_first_tokens:
@@ -251,6 +287,8 @@ def get_metrics_snapshot(registry: Any = REGISTRY) -> list[Metric]:
             continue
         if family.type == "gauge":
             out += [Gauge(s.name, s.labels, s.value) for s in family.samples]
+        elif family.name == _SPEC_PER_POS:
+            out += _vectors(family)
         elif family.type == "counter":
             out += [
                 Counter(family.name, s.labels, int(s.value))
@@ -260,6 +298,21 @@ def get_metrics_snapshot(registry: Any = REGISTRY) -> list[Metric]:
         elif family.type == "histogram":
             out += _histograms(family)
     return out
+
+
+def _vectors(family: Any) -> list[Vector]:
+    """A counter labelled by `position` becomes one Vector per engine, values by position."""
+    by_labels: dict[tuple, dict[int, int]] = {}
+    for s in family.samples:
+        if not s.name.endswith("_total"):
+            continue
+        labels = {k: v for k, v in s.labels.items() if k != "position"}
+        key = tuple(sorted(labels.items()))
+        by_labels.setdefault(key, {})[int(s.labels["position"])] = int(s.value)
+    return [
+        Vector(family.name, dict(key), [values[p] for p in sorted(values)])
+        for key, values in by_labels.items()
+    ]
 
 
 def _histograms(family: Any) -> list[Histogram]:

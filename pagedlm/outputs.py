@@ -17,6 +17,18 @@ _warned_extra_kwargs: set[str] = set()
 
 
 @dataclass
+class SamplingMask:
+    """Per generated token, the token ids that survived the sampling filters (ascending).
+
+    ``token_ids[i]`` belongs to ``CompletionOutput.token_ids[i]``: the ids whose logit was still
+    finite after the grammar, allowed_token_ids, bad words, min_tokens, logit_bias, min_p, top-k
+    and top-p (for greedy rows: after the logits processors only).
+    """
+
+    token_ids: list[list[int]]
+
+
+@dataclass
 class CompletionOutput:
     """One completion (one of the ``n``) of a request.
 
@@ -34,16 +46,21 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     lora_request: Any | None = None
+    sampling_mask: SamplingMask | None = None  # with LLM(return_sampling_mask=True)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def __repr__(self) -> str:
+        # vLLM's newer repr shows sampling_mask; shown here only when set, so the common
+        # repr stays the released one
+        mask = "" if self.sampling_mask is None else f"sampling_mask={self.sampling_mask}, "
         return (
             f"CompletionOutput(index={self.index}, "
             f"text={self.text!r}, "
             f"token_ids={self.token_ids}, "
             f"routed_experts={self.routed_experts}, "
+            f"{mask}"
             f"cumulative_logprob={self.cumulative_logprob}, "
             f"logprobs={self.logprobs}, "
             f"finish_reason={self.finish_reason}, "

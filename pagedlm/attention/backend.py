@@ -40,8 +40,11 @@ class AttentionBackend(ABC):
         metadata: object,
         scale: float,
         sliding_window: int | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        """Write key/value into the cache at the slot mapping, then attend."""
+        """Write key/value into the cache at the slot mapping, then attend. An fp8 cache stores
+        key / k_scale and value / v_scale (see kv_cache_dtype.py)."""
 
     def forward_encoder(
         self,

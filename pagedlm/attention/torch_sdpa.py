@@ -1,4 +1,9 @@
-"""Paged attention in plain PyTorch with `scaled_dot_product_attention`.
+"""Paged attention: the compiled CPU kernels where available, plain PyTorch
+`scaled_dot_product_attention` otherwise (the kernels' tested twin).
+
+With the C kernels, decode rows go through `paged_decode_attention` and every prefill chunk,
+cached prefix or not, through the tiled `paged_prefill_attention`, both reading K/V from the
+paged cache through the block table. The PyTorch path:
 
 Decode rows are attended in one batched call: their blocks are gathered through the block table
 and padded to the longest sequence with a key mask. Each prefill chunk gets its own call; a
@@ -15,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.attention.backend import AttentionBackend, CommonAttentionMetadata
-from pagedlm.kernels.cpu import cpu_kernels, paged_decode_attention
+from pagedlm.attention.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv
+from pagedlm.kernels.cpu import cpu_kernels
+from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
 
 
 @dataclass
@@ -53,6 +60,10 @@ class SDPAMetadata:
     prefills: list[PrefillChunk]  # chunks that follow a cached prefix
     fresh_groups: list[FreshPrefillGroup] = field(default_factory=list)
     query_start_loc: list[int] = field(default_factory=list)  # segments, for encoder attention
+    # every prefill request (rows num_decode_tokens.. onwards), for the C prefill kernel
+    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1], from row 0
+    prefill_seq_lens: torch.Tensor | None = None  # [num_prefills]
+    prefill_block_table: torch.Tensor | None = None  # [num_prefills, max_blocks]
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -80,12 +91,20 @@ def causal_mask(query_len: int, seq_len: int, window: int | None, device: torch.
 
 
 class TorchSDPABackend(AttentionBackend):
-    """`use_c_kernel`: decode rows through the compiled paged kernel (None: when available)."""
+    """`use_c_kernel`: decode and prefill through the compiled paged kernels (None: when
+    available; False: the PyTorch path)."""
 
     def __init__(self, use_c_kernel: bool | None = None) -> None:
-        self.decode_kernel = cpu_kernels() if use_c_kernel is not False else None
-        if use_c_kernel and self.decode_kernel is None:
-            raise RuntimeError("the C decode kernel could not be built (is gcc installed?)")
+        self.kernels = cpu_kernels() if use_c_kernel is not False else None
+        if use_c_kernel and self.kernels is None:
+            raise RuntimeError("the C attention kernels could not be built (is gcc installed?)")
+
+    def _use_kernels(self, query: torch.Tensor) -> bool:
+        return (
+            self.kernels is not None
+            and query.device.type == "cpu"
+            and query.dtype in (torch.bfloat16, torch.float32)
+        )
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> SDPAMetadata:
         qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
@@ -111,6 +130,11 @@ class TorchSDPABackend(AttentionBackend):
             FreshPrefillGroup(length, starts, _rows(starts, length, device))
             for length, starts in fresh.items()
         ]
+        prefill_qsl = prefill_lens = prefill_table = None
+        if nd < len(seq_lens):
+            prefill_qsl = torch.from_numpy(qsl[nd:] - qsl[nd]).to(device)
+            prefill_lens = torch.from_numpy(seq_lens[nd:]).to(device)
+            prefill_table = torch.from_numpy(table[nd:]).to(device)
         return SDPAMetadata(
             slot_mapping=torch.from_numpy(common.slot_mapping).to(device),
             num_decode_tokens=nd,
@@ -120,6 +144,9 @@ class TorchSDPABackend(AttentionBackend):
             prefills=prefills,
             fresh_groups=fresh_groups,
             query_start_loc=common.query_start_loc.tolist(),
+            prefill_query_start_loc=prefill_qsl,
+            prefill_seq_lens=prefill_lens,
+            prefill_block_table=prefill_table,
         )
 
     def forward(
@@ -131,19 +158,54 @@ class TorchSDPABackend(AttentionBackend):
         metadata: SDPAMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        """`k_scale`/`v_scale`: the per-tensor scales of an fp8 cache (ignored otherwise)."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
         flat_k = k_cache.view(-1, num_kv_heads, head_size)
         flat_v = v_cache.view(-1, num_kv_heads, head_size)
         num_tokens = metadata.slot_mapping.shape[0]
-        flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
-        flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
+        fp8 = is_fp8(kv_cache.dtype)
+        if fp8:  # torch has no fp8 index_copy_ on the CPU: copy the bytes
+            slots = metadata.slot_mapping
+            qk = quantize_kv(key[:num_tokens], k_scale, kv_cache.dtype)
+            qv = quantize_kv(value[:num_tokens], v_scale, kv_cache.dtype)
+            flat_k.view(torch.uint8).index_copy_(0, slots, qk.view(torch.uint8))
+            flat_v.view(torch.uint8).index_copy_(0, slots, qv.view(torch.uint8))
+            # the PyTorch path attends what the cache holds, as the kernels do
+            key, value = (
+                dequantize_kv(qk, k_scale, key.dtype),
+                dequantize_kv(qv, v_scale, key.dtype),
+            )
+        else:
+            flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
+            flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
 
         out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(query[:nd], k_cache, v_cache, metadata, scale, sliding_window)
+            out[:nd] = self._decode(
+                query[:nd], k_cache, v_cache, metadata, scale, sliding_window, k_scale, v_scale
+            )
+        if self._use_kernels(query) and metadata.prefill_query_start_loc is not None:
+            assert metadata.prefill_seq_lens is not None
+            assert metadata.prefill_block_table is not None
+            out[nd:num_tokens] = paged_prefill_attention(
+                self.kernels,
+                query[nd:num_tokens],
+                k_cache,
+                v_cache,
+                metadata.prefill_block_table,
+                metadata.prefill_query_start_loc,
+                metadata.prefill_seq_lens,
+                scale,
+                sliding_window,
+                k_scale,
+                v_scale,
+            )
+            return out
         for group in metadata.fresh_groups:
             self._fresh_prefills(query, key, value, out, group, scale, sliding_window)
         for chunk in metadata.prefills:
@@ -153,6 +215,7 @@ class TorchSDPABackend(AttentionBackend):
             ids = chunk.block_ids[:nb]
             k = k_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
             v = v_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
+            k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
             mask = causal_mask(n, chunk.seq_len, sliding_window, query.device)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
@@ -168,12 +231,23 @@ class TorchSDPABackend(AttentionBackend):
         metadata: SDPAMetadata,
         scale: float,
         sliding_window: int | None,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
         table, lens = metadata.decode_block_table, metadata.decode_seq_lens
         assert table is not None and lens is not None
-        if self.decode_kernel is not None and query.device.type == "cpu":
+        if self._use_kernels(query):
             return paged_decode_attention(
-                self.decode_kernel, query, k_cache, v_cache, table, lens, scale, sliding_window
+                self.kernels,
+                query,
+                k_cache,
+                v_cache,
+                table,
+                lens,
+                scale,
+                sliding_window,
+                k_scale,
+                v_scale,
             )
         max_len = metadata.max_decode_seq_len
         block_size = k_cache.shape[1]
@@ -181,6 +255,7 @@ class TorchSDPABackend(AttentionBackend):
         # [nd, max_blocks, block_size, kv_heads, d] -> [nd, kv_heads, max_len, d]
         k = k_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
         v = v_cache[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
         o = F.scaled_dot_product_attention(
             query.unsqueeze(2),
             k,

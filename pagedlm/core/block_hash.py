@@ -12,9 +12,11 @@ import pickle
 
 import numpy as np
 
+from pagedlm import envs
+
 
 def _init_none_hash() -> bytes:
-    seed = os.environ.get("PYTHONHASHSEED")
+    seed = envs.PYTHONHASHSEED
     if seed is None:
         return os.urandom(32)
     return hashlib.sha256(seed.encode()).digest()

@@ -98,6 +98,13 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         return True
 
+    def invalidate_prefix_cache(self) -> None:
+        """Forget every hash, blocks in use included (their KV stays with their requests but
+        is no longer shared): used when the weights that computed the cached KV change."""
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+
     def check_invariants(self, tables: list[list[KVCacheBlock]]) -> None:
         refs: dict[int, int] = {}
         for table in tables:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pagedlm.core.block_pool import BlockPool, KVCacheBlock
 from pagedlm.core.request import Request
 
+_NEVER_CACHE = 1 << 62  # num_cached_block of a request whose blocks must not be shared
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -120,6 +122,13 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def invalidate_prefix_cache(self) -> None:
+        """After a weight change: no cached block is reused, and the running requests (whose
+        KV mixes old and new weights) never register more blocks."""
+        self.block_pool.invalidate_prefix_cache()
+        for request_id in self.req_to_blocks:
+            self.num_cached_block[request_id] = _NEVER_CACHE
 
     def check_invariants(self) -> None:
         self.block_pool.check_invariants(list(self.req_to_blocks.values()))

@@ -11,12 +11,11 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from pagedlm.core.block_hash import hash_request_blocks
 
 if TYPE_CHECKING:
     from pagedlm.sampling_params import SamplingParams
+    from pagedlm.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,15 +77,20 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []  # drafts to verify next step (speculative decoding)
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling, -1 = not yet
         self.num_preemptions = 0
         self.block_size = block_size
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
-        self.generator: torch.Generator | None = None
-        if sampling_params is not None and sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        # What the workers know of this request (the scheduler sends them diffs).
+        self.sent_to_workers = False
+        self.resumed_from_preemption = False
+        self.num_synced_tokens = 0
+        self.num_synced_blocks = 0
+        # Structured outputs: the grammar matcher, set by the engine (None: unconstrained).
+        self.structured_output_request: StructuredOutputRequest | None = None
         # Timestamps (monotonic) for metrics.
         self.queued_ts = time.monotonic()
         self.scheduled_ts = 0.0
@@ -96,6 +100,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

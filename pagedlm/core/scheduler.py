@@ -14,11 +14,48 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
-from pagedlm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched_output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedlm.structured_output import advance_grammar
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters since the last `reset()` (for the vllm:spec_decode_*
+    metrics): drafts verified, draft tokens, accepted tokens, accepted tokens per position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+    def reset(self) -> SpecDecodingStats:
+        out = SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
+        self.__init__()
+        return out
 
 
 class RequestQueue:
@@ -78,7 +115,9 @@ class Scheduler:
         self.waiting = RequestQueue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.preempted_outside_step: set[str] = set()  # told to the workers next step
         self.num_preemptions = 0
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -119,10 +158,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens_with_spec - request.num_computed_tokens
             if threshold > 0:
                 num_new = min(num_new, threshold)
-            num_new = min(num_new, budget)
+            # drafts never reach past the last position the model allows
+            num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
                 continue
@@ -143,6 +183,11 @@ class Scheduler:
             else:
                 scheduled.append(request)
                 out.num_scheduled_tokens[request.request_id] = num_new
+                num_drafts = request.num_computed_tokens + num_new - request.num_tokens
+                if num_drafts > 0:
+                    drafts = request.spec_token_ids[:num_drafts]
+                    out.scheduled_spec_decode_tokens[request.request_id] = drafts
+                request.spec_token_ids = []
                 budget -= num_new
                 i += 1
             # When the request preempted itself (priority policy: it was the lowest), index i
@@ -153,15 +198,49 @@ class Scheduler:
 
         now = time.monotonic()
         for request in scheduled:
-            n = out.num_scheduled_tokens[request.request_id]
             out.num_computed_tokens[request.request_id] = request.num_computed_tokens
-            request.num_computed_tokens += n
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             if not request.scheduled_ts:
                 request.scheduled_ts = now
-        out.scheduled_requests = scheduled
+            self._describe_for_workers(request, out)
+        out.scheduled_req_ids = [r.request_id for r in scheduled]
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
+        out.preempted_req_ids |= self.preempted_outside_step - out.finished_req_ids
+        self.preempted_outside_step = set()
         return out
+
+    def _describe_for_workers(self, request: Request, out: SchedulerOutput) -> None:
+        """Add the request to `out` as new (whole) or cached (what changed since last sent)."""
+        rid = request.request_id
+        block_ids = self.kv_cache_manager.get_block_ids(rid)
+        computed = out.num_computed_tokens[rid]
+        if not request.sent_to_workers:
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    pooling_params=request.pooling_params,
+                    block_ids=block_ids,
+                    num_computed_tokens=computed,
+                    token_type_ids=request.token_type_ids,
+                )
+            )
+            request.sent_to_workers = True
+        else:
+            cached = out.scheduled_cached_reqs
+            resumed = request.resumed_from_preemption
+            cached.req_ids.append(rid)
+            cached.resumed_from_preemption.append(resumed)
+            cached.new_token_ids.append(request.all_token_ids[request.num_synced_tokens :])
+            cached.new_block_ids.append(
+                block_ids if resumed else block_ids[request.num_synced_blocks :]
+            )
+            cached.num_computed_tokens.append(computed)
+        request.resumed_from_preemption = False
+        request.num_synced_tokens = request.num_tokens
+        request.num_synced_blocks = len(block_ids)
 
     def _admit_waiting(
         self, out: SchedulerOutput, scheduled: list[Request], budget: int, threshold: int
@@ -205,6 +284,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.resumed_from_preemption = request.sent_to_workers
+        request.spec_token_ids = []
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
@@ -215,18 +296,25 @@ class Scheduler:
         """Append sampled tokens, check stops, cache full blocks, free finished requests."""
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
-        for request in scheduler_output.scheduled_requests:
-            rid = request.request_id
+        for rid in scheduler_output.scheduled_req_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue  # finished outside the step (abort) while the step ran
             new_token_ids = runner_output.sampled_token_ids.get(rid, [])
             prompt_logprobs = runner_output.prompt_logprobs.get(rid)
             pooler_output = runner_output.pooler_output.get(rid)
             stopped = False
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts and new_token_ids:
+                # rejected drafts' KV is recomputed: roll the computed count back over them
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_decoding_stats.observe(len(drafts), num_accepted)
             if new_token_ids:
-                request.append_output_token_ids(new_token_ids)
+                new_token_ids, stopped = self._append_and_check_stop(request, new_token_ids)
                 if not request.first_token_ts:
                     request.first_token_ts = now
                 request.last_token_ts = now
-                stopped = self._check_stop(request)
             elif pooler_output is not None:
                 request.status = RequestStatus.FINISHED_STOPPED
                 stopped = True
@@ -234,6 +322,8 @@ class Scheduler:
             if stopped:
                 self.running.remove(request)
                 self._free_request(request)
+            else:
+                request.spec_token_ids = runner_output.spec_token_ids.get(rid, [])
             if new_token_ids or prompt_logprobs is not None or stopped:
                 outputs.append(
                     EngineCoreOutput(
@@ -246,9 +336,25 @@ class Scheduler:
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         pooling_output=pooler_output,
                         scheduled_ts=request.scheduled_ts,
+                        new_sampling_mask=runner_output.sampling_mask.get(rid),
                     )
                 )
         return outputs
+
+    def _append_and_check_stop(
+        self, request: Request, token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """Append tokens one at a time, checking the stop conditions after each: a request may
+        get several (speculative decoding) and must stop at the first that ends it."""
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token_ids([token_id])
+            stopped = self._check_stop(request)
+            if not stopped and advance_grammar(request, [token_id]):  # structured outputs:
+                request.status = RequestStatus.FINISHED_STOPPED  # the grammar has ended
+                stopped = True
+            if stopped:
+                return token_ids[: i + 1], True
+        return token_ids, False
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
@@ -274,6 +380,7 @@ class Scheduler:
         if reset_running_requests:
             for request in reversed(self.running):
                 self._preempt(request)
+                self.preempted_outside_step.add(request.request_id)
             self.running.clear()
         return self.kv_cache_manager.reset_prefix_cache()
 

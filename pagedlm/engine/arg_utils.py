@@ -16,11 +16,18 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedlm import envs
+from pagedlm.attention.kv_cache_dtype import check_kv_cache_dtype
 from pagedlm.config import (
     CacheConfig,
     ModelConfig,
+    ParallelConfig,
+    ProfilerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
     VllmConfig,
+    WeightTransferConfig,
     derive_max_model_len,
     resolve_dtype,
 )
@@ -39,6 +46,8 @@ _HELP: dict[str, str] = {
     "max_num_seqs": "Most requests running at once.",
     "max_num_batched_tokens": "Token budget of one engine step (prefill chunks + decodes).",
     "block_size": "Tokens per KV cache block.",
+    "kv_cache_dtype": "auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 (half the KV memory).",
+    "calculate_kv_scales": "fp8 KV cache: per-layer k/v scales from the first batch's maxima.",
     "kv_cache_memory_bytes": "KV cache size in bytes (default: a fraction of RAM).",
     "gpu_memory_utilization": "Fraction of device memory (RAM on CPU) the engine may use.",
     "num_gpu_blocks_override": "Force the number of KV blocks (testing preemption).",
@@ -52,21 +61,45 @@ _HELP: dict[str, str] = {
     "override_generation_config": "JSON dict merged over the generation config.",
     "enforce_eager": "Run the model eagerly (no torch.compile).",
     "load_format": "auto, safetensors, gguf or dummy (random weights).",
-    "model_impl": "auto or vllm: pagedlm's own model implementations (transformers: no).",
+    "quantization": "gguf (GGUF files: blocks kept packed, integer kernels; their default) or "
+    "int8 (weight-only, per-channel, for bf16/fp32 checkpoints).",
+    "tensor_parallel_size": "Shard the model over this many worker processes (gloo on CPU).",
+    "data_parallel_size": "Data-parallel engines are separate processes: see "
+    "examples/data_parallel.py (VLLM_DP_RANK / VLLM_DP_SIZE).",
+    "distributed_executor_backend": "uni (in this process) or mp (one process per rank; the "
+    "default when tensor_parallel_size > 1).",
+    "prefix_caching_hash_algo": "sha256 (the only one supported).",
+    "speculative_config": 'JSON dict: {"method": "ngram", "num_speculative_tokens": 3, '
+    '"prompt_lookup_max": 4} or {"method": "draft_model", "model": ..., ...}.',
+    "async_scheduling": "Refused when true: the CPU engine schedules synchronously.",
+    "compilation_config": "Refused unless empty: pagedlm runs the model eagerly.",
+    "model_impl": "auto or vllm: pagedlm's own model implementations (not transformers).",
+    "enable_sleep_mode": "Allow LLM.sleep(level=1|2): free the KV cache (and weights).",
+    "weight_transfer_config": 'JSON dict or WeightTransferConfig: {"backend": "ipc"|"gloo"} '
+    "for RL weight updates (init_weight_transfer_engine / update_weights).",
+    "profiler_config": "JSON dict or ProfilerConfig (vLLM's fields): torch_profiler_dir, "
+    "torch_profiler_record_shapes, torch_profiler_with_stack, ...",
+    "logprobs_mode": "raw_logprobs, raw_logits, processed_logprobs or processed_logits.",
+    "structured_outputs_config": "JSON dict: backend (auto/xgrammar), disable_any_whitespace, ...",
+    "return_sampling_mask": "Return, per sampled token, the token ids that survived sampling.",
+}
+# Values accepted for options whose other values vLLM has but pagedlm refuses by name.
+_ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
+    "enforce_eager": (True,),
+    "prefix_caching_hash_algo": ("sha256",),
+    "async_scheduling": (None, False),
+    "distributed_executor_backend": (None, "uni", "mp"),
+    "quantization": (None, "gguf", "int8"),
+    "compilation_config": (None, 0, {}),
+    "model_impl": ("auto", "vllm"),
 }
 
 # Options vLLM has that we accept only at their default value; anything else is rejected clearly.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
-    "data_parallel_size": 1,
-    "quantization": None,
     "enable_lora": False,
-    "speculative_config": None,
     "cpu_offload_gb": 0,
     "enable_prompt_embeds": False,
-    "kv_cache_dtype": "auto",
-    "enable_sleep_mode": False,
 }
 
 
@@ -121,17 +154,22 @@ class EngineArgs:
     data_parallel_size: int = 1
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     speculative_config: dict[str, Any] | None = None
     cpu_offload_gb: float = 0
     enable_prompt_embeds: bool = False
-    enable_sleep_mode: bool = False
-    model_impl: str = "auto"
     async_scheduling: bool | None = None
     distributed_executor_backend: str | None = None
     compilation_config: Any = None
+    enable_sleep_mode: bool = False
+    model_impl: str = "auto"
+    weight_transfer_config: Any = None
+    profiler_config: Any = None
+    structured_outputs_config: dict[str, Any] | None = None
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         for name, default in _UNSUPPORTED_DEFAULTS.items():
@@ -140,14 +178,20 @@ class EngineArgs:
                     f"{name}={getattr(self, name)!r} is not supported by pagedlm yet "
                     f"(only {default!r}); see the README's list of supported features."
                 )
+        for name, allowed in _ALLOWED_VALUES.items():
+            if getattr(self, name) not in allowed:
+                raise NotImplementedError(
+                    f"{name}={getattr(self, name)!r} is not supported by pagedlm (accepted: "
+                    f"{', '.join(map(repr, allowed))}). {_HELP[name] if name in _HELP else ''}"
+                )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
+            )
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.convert not in ("auto", "none", "embed", "classify"):
             raise ValueError(
                 f"convert must be auto, none, embed or classify, got {self.convert!r}."
-            )
-        if self.model_impl not in ("auto", "vllm"):
-            raise NotImplementedError(
-                f"model_impl={self.model_impl!r} is not supported: pagedlm runs its own model "
-                "implementations (model_impl='auto' or 'vllm')."
             )
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")
@@ -155,10 +199,10 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
             )
-        if self.logprobs_mode not in ("raw_logprobs", "raw_logits"):
-            raise NotImplementedError(
-                f"logprobs_mode={self.logprobs_mode!r} is not supported yet (raw_logprobs, "
-                "raw_logits)."
+        modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+        if self.logprobs_mode not in modes:
+            raise ValueError(
+                f"logprobs_mode={self.logprobs_mode!r} is not one of {', '.join(modes)}."
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
@@ -213,6 +257,7 @@ class EngineArgs:
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(__import__("torch"), checkpoint_dtype, None)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype)
+        quantization = self.resolve_quantization(resolved.gguf_file is not None)
 
         derived = derive_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived
@@ -254,17 +299,23 @@ class EngineArgs:
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
             gguf_file=resolved.gguf_file,
+            quantization=quantization,
             runner_type=runner,
             runner=self.runner,
             convert=self.convert,
             pooling_task=pooling_task,
+            return_sampling_mask=self.return_sampling_mask,
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16,
             enable_prefix_caching=prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes
+            if self.kv_cache_memory_bytes is not None or envs.VLLM_CPU_KVCACHE_SPACE is None
+            else int(envs.VLLM_CPU_KVCACHE_SPACE * 2**30),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs or 256,
@@ -274,7 +325,95 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
-        return VllmConfig(model_config, cache_config, scheduler_config, self.disable_log_stats)
+        parallel_config = self.create_parallel_config(hf_config)
+        speculative_config = None
+        if self.speculative_config:
+            if pooling:
+                raise ValueError("speculative decoding needs a generative model")
+            speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.return_sampling_mask:
+                raise ValueError("return_sampling_mask is not supported with speculative decoding.")
+        return VllmConfig(
+            model_config,
+            cache_config,
+            scheduler_config,
+            parallel_config=parallel_config,
+            speculative_config=speculative_config,
+            disable_log_stats=self.disable_log_stats,
+            weight_transfer_config=self._weight_transfer_config(),
+            profiler_config=ProfilerConfig.from_any(self.profiler_config),
+            enable_sleep_mode=self.enable_sleep_mode,
+            structured_outputs_config=StructuredOutputsConfig.from_any(
+                self.structured_outputs_config
+            ),
+        )
+
+    def _weight_transfer_config(self) -> WeightTransferConfig | None:
+        value = self.weight_transfer_config
+        if value is None or isinstance(value, WeightTransferConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                "weight_transfer_config must be a WeightTransferConfig or a dict like "
+                f"{{'backend': 'gloo'}}, got {type(value).__name__}."
+            )
+        try:
+            return WeightTransferConfig(**value)
+        except TypeError as e:
+            raise ValueError(f"Invalid weight_transfer_config: {e}") from e
+
+    def resolve_quantization(self, is_gguf: bool) -> str | None:
+        """GGUF files default to "gguf" (PAGEDLM_GGUF_DEQUANTIZE=1: dequantized at load
+        instead); "int8" needs a bf16/fp32 checkpoint, "gguf" a GGUF file."""
+        if is_gguf:
+            if self.quantization == "int8":
+                raise ValueError(
+                    "quantization='int8' quantizes bf16/fp32 checkpoints; this model is a GGUF "
+                    "file, already quantized: use quantization='gguf' (its default)."
+                )
+            if self.quantization is None and envs.PAGEDLM_GGUF_DEQUANTIZE:
+                return None
+            return "gguf"
+        if self.quantization == "gguf":
+            raise ValueError(
+                "quantization='gguf' needs a .gguf model file; for a safetensors checkpoint "
+                "use quantization='int8' or None."
+            )
+        return self.quantization
+
+    def create_parallel_config(self, hf_config: Any) -> ParallelConfig:
+        """Check that the model shards over `tensor_parallel_size` ranks; pick the executor."""
+        if self.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size}: data-parallel engines are "
+                "separate processes in pagedlm; start one per rank with VLLM_DP_RANK / "
+                "VLLM_DP_SIZE set (see examples/data_parallel.py)."
+            )
+        tp = self.tensor_parallel_size
+        heads = getattr(hf_config, "num_attention_heads", 1)
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        if heads % tp:
+            raise ValueError(
+                f"Total number of attention heads ({heads}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            )
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(
+                f"Total number of key/value heads ({kv_heads}) and tensor parallel size ({tp}) "
+                "must divide one another (KV heads are replicated when fewer than ranks)."
+            )
+        backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+        if backend == "uni" and tp > 1:
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one rank; tensor_parallel_size > 1 "
+                "needs 'mp' (the default)."
+            )
+        return ParallelConfig(
+            tensor_parallel_size=tp,
+            data_parallel_size=max(1, envs.VLLM_DP_SIZE),
+            data_parallel_rank=envs.VLLM_DP_RANK,
+            distributed_executor_backend=backend,
+        )
 
 
 @dataclass

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedlm.config import ModelConfig
 from pagedlm.exceptions import VLLMValidationError
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedlm.structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -31,14 +34,26 @@ class EngineCoreRequest:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any, speculative: bool = False
+    ) -> None:
         self.model_config = model_config
+        self.speculative = speculative
         self.tokenizer = tokenizer
         self.generation_config = model_config.get_hf_generation_config()
+        self.structured_output_manager: StructuredOutputManager | None = None
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer else None
         if self.eos_token_id is None:
             eos = self.generation_config.get("eos_token_id")
             self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
+
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end generation by default: EOS and generation_config's eos ids."""
+        ids = self.generation_config.get("eos_token_id")
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if self.eos_token_id is not None:
+            ids.insert(0, self.eos_token_id)
+        return list(dict.fromkeys(ids))
 
     def tokenize_prompt(
         self, prompt: Any, tokenization_kwargs: dict[str, Any] | None = None
@@ -191,12 +206,21 @@ class InputProcessor:
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}")
         if params.seed is not None and not -(2**63) <= params.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {params.seed}.")
-        if params.structured_outputs is not None:
-            raise NotImplementedError("Structured outputs are not supported by pagedlm yet.")
         params.verify(
             max_logprobs=self.model_config.max_logprobs, vocab_size=self.model_config.vocab_size
         )
+        if self.speculative and params.structured_outputs is not None:
+            raise ValueError("Structured outputs are not yet supported with speculative decoding.")
+        if self.speculative and (params.min_p > 0.0 or params.logit_bias):
+            raise ValueError(
+                "The min_p and logit_bias sampling parameters are not yet supported with "
+                "speculative decoding."
+            )
         params = params.clone()
+        if params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("Structured outputs need an engine (no manager was set).")
+            self.structured_output_manager.validate(params.structured_outputs)
         if params.max_tokens is None:
             params.max_tokens = self.model_config.max_model_len - prompt_len
         params.update_from_generation_config(self.generation_config, self.eos_token_id)

@@ -1,12 +1,15 @@
-"""LLMEngine: add_request / step / abort, in one process (scheduler, runner, output processing).
+"""LLMEngine: add_request / step / abort (scheduler, executor, output processing).
 
-One `step()`: schedule -> execute the model -> update requests -> build RequestOutputs.
+One `step()`: schedule -> the executor runs the step on every worker -> update requests ->
+build RequestOutputs. Only plain data (SchedulerOutput, ModelRunnerOutput) crosses to the
+workers; control calls (`collective_rpc`, `apply_model`) go through the executor to every rank.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from pagedlm.config import VllmConfig
@@ -14,9 +17,11 @@ from pagedlm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.arg_utils import EngineArgs
+from pagedlm.engine.control import EngineControlMixin
 from pagedlm.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedlm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedlm.engine.tokenizer import load_tokenizer
+from pagedlm.executor import Executor
 from pagedlm.metrics import (
     IterationStats,
     Metric,
@@ -25,39 +30,47 @@ from pagedlm.metrics import (
     get_metrics_snapshot,
 )
 from pagedlm.outputs import RequestOutput
-from pagedlm.platforms import current_platform
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
-from pagedlm.worker.model_runner import ModelRunner
+from pagedlm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineControlMixin):
     def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
         self.log_stats = log_stats
-        current_platform.seed_everything(self.model_config.seed)
         self.tokenizer = load_tokenizer(self.model_config)
-        self.model_runner = ModelRunner(vllm_config)
+        self.model_executor = Executor.get_class(vllm_config)(vllm_config)
         num_blocks = self._determine_num_blocks()
         self.cache_config.num_gpu_blocks = num_blocks
         block_size = self.cache_config.block_size
-        self.model_runner.initialize_kv_cache(num_blocks, block_size)
-        self.kv_cache_manager = KVCacheManager(
+        self.model_executor.initialize_kv_cache(num_blocks, block_size)
+        kv_cache_manager = KVCacheManager(
             num_blocks, block_size, self.cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            vllm_config.scheduler_config, self.cache_config, self.kv_cache_manager
+            vllm_config.scheduler_config, self.cache_config, kv_cache_manager
         )
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.model_config, self.tokenizer, vllm_config.speculative_config is not None
+        )
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.input_processor.stop_token_ids(),
+            vllm_config.structured_outputs_config,
+        )
+        self.input_processor.structured_output_manager = self.structured_output_manager
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self.stat_logger = PrometheusStatLogger(self.model_config.model) if log_stats else None
         # More loggers with `record(SchedulerStats, IterationStats)` (AsyncLLM's stat_loggers).
         self.extra_stat_loggers: list[Any] = []
         self._num_preemptions_logged = 0
+        self._init_control()
 
     @classmethod
     def from_engine_args(
@@ -66,10 +79,17 @@ class LLMEngine:
         config = engine_args.create_engine_config()
         return cls(config, log_stats=not engine_args.disable_log_stats)
 
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.scheduler.kv_cache_manager
+
     def _determine_num_blocks(self) -> int:
+        """Blocks every rank can hold (each rank stores its own heads of every block)."""
         cache, sched = self.cache_config, self.vllm_config.scheduler_config
         block_size = cache.block_size
-        per_block = self.model_runner.get_kv_cache_bytes_per_block(block_size)
+        per_block = max(
+            self.model_executor.collective_rpc("get_kv_cache_bytes_per_block", args=(block_size,))
+        )
         max_len = self.model_config.max_model_len
         blocks_per_seq = cdiv(max_len, block_size)
         if cache.num_gpu_blocks_override is not None:
@@ -77,7 +97,11 @@ class LLMEngine:
         else:
             budget = cache.kv_cache_memory_bytes
             if budget is None:
-                budget = current_platform.kv_cache_budget_bytes(cache.gpu_memory_utilization)
+                budget = min(
+                    self.model_executor.collective_rpc(
+                        "determine_available_memory", args=(cache.gpu_memory_utilization,)
+                    )
+                )
             # More blocks than max_num_seqs full-length sequences would never be used at once.
             num_blocks = min(budget // max(per_block, 1), sched.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < blocks_per_seq:
@@ -187,6 +211,11 @@ class LLMEngine:
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
         )
+        if params is not None and params.structured_outputs is not None:
+            so_manager = self.structured_output_manager
+            core_request.structured_output_request = so_manager.init_request(
+                params.structured_outputs
+            )
         self.output_processor.add_request(request, external_id, parent, index)
         self.scheduler.add_request(core_request)
 
@@ -218,15 +247,20 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        self.check_awake()
         if not self.scheduler.has_unfinished_requests():
             return []
+        self.sync_weights_generation()
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled_requests:
+        if not scheduler_output.scheduled_req_ids:
             raise RuntimeError(
                 "The scheduler could not schedule any request although some are waiting; this "
                 "is a bug in pagedlm (please report it with the engine arguments used)."
             )
-        runner_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager)
+        scheduler_output.grammar_output = self.structured_output_manager.grammar_bitmask(
+            self.scheduler.requests[rid] for rid in scheduler_output.scheduled_req_ids
+        )
+        runner_output = self.model_executor.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         iteration_stats = IterationStats() if self.stat_logger is not None else None
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(
@@ -252,6 +286,9 @@ class LLMEngine:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=preemptions,
+            spec_decoding=self.scheduler.spec_decoding_stats.reset()
+            if self.vllm_config.speculative_config is not None
+            else None,
         )
 
     def get_metrics(self) -> list[Metric]:
@@ -269,3 +306,19 @@ class LLMEngine:
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return self.model_config.supported_tasks
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        self._note_control_rpc()
+        return self.model_executor.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        return self.collective_rpc("apply_model", args=(func,))
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()

@@ -34,6 +34,7 @@ from pagedlm.outputs import (
     PoolingRequestOutput,
     RequestOutput,
     RequestStateStats,
+    SamplingMask,
 )
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -95,6 +96,7 @@ class RequestState:
             else None
         )
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.sampling_mask: list[list[int]] = []  # filled when the engine returns masks
         self.num_cached_tokens = 0
         self.sent_text_offset = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
@@ -134,10 +136,13 @@ class RequestState:
         text = self.detokenizer.get_next_output_text(finished, delta)
         token_ids = self.detokenizer.token_ids
         logprobs = self.logprobs
+        mask_rows: list[list[int]] | None = self.sampling_mask if self.sampling_mask else None
         if delta:
             token_ids = token_ids[self.sent_text_offset :]
             if logprobs is not None:
                 logprobs = logprobs[self.sent_text_offset :]
+            if mask_rows is not None:
+                mask_rows = mask_rows[self.sent_text_offset :]
             self.sent_text_offset = len(self.detokenizer.token_ids)
         return CompletionOutput(
             index=self.child_index,
@@ -147,6 +152,7 @@ class RequestState:
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
+            sampling_mask=None if mask_rows is None else SamplingMask(list(mask_rows)),
         )
 
 
@@ -217,6 +223,8 @@ class OutputProcessor:
                 continue
             state.add_logprobs(out.new_prompt_logprobs, prompt=True)
             state.add_logprobs(out.new_logprobs, prompt=False)
+            if out.new_sampling_mask is not None:
+                state.sampling_mask.extend(out.new_sampling_mask)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if out.new_token_ids:
                 stop_terminated = finish_reason == "stop" and not isinstance(stop_reason, str)

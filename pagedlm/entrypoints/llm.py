@@ -16,7 +16,9 @@ from tqdm.auto import tqdm
 
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.entrypoints.beam_search import BeamSearchMixin
 from pagedlm.entrypoints.chat_utils import render_conversations
+from pagedlm.entrypoints.control import ControlMixin
 from pagedlm.entrypoints.pooling import PoolingMixin
 from pagedlm.inputs import prompt_to_seq
 from pagedlm.outputs import PoolingRequestOutput, RequestOutput
@@ -25,7 +27,23 @@ from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLM(PoolingMixin):
+def _speculative_aliases(kwargs: dict[str, Any]) -> None:
+    """vLLM's `spec_method` / `spec_model` / `spec_tokens` fill `speculative_config`."""
+    aliases = {
+        "spec_method": "method",
+        "spec_model": "model",
+        "spec_tokens": "num_speculative_tokens",
+    }
+    given = {
+        key: kwargs.pop(alias) for alias, key in aliases.items() if kwargs.get(alias) is not None
+    }
+    for alias in aliases:
+        kwargs.pop(alias, None)
+    if given:
+        kwargs["speculative_config"] = {**(kwargs.get("speculative_config") or {}), **given}
+
+
+class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
     """An offline engine: `LLM(model, **engine_args)`; every option is keyword-only."""
 
     def __init__(
@@ -38,6 +56,14 @@ class LLM(PoolingMixin):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("disable_log_stats", True)
+        _speculative_aliases(kwargs)
+        dp_size = kwargs.get("data_parallel_size", 1)
+        if dp_size > 1 and kwargs.get("distributed_executor_backend") != "external_launcher":
+            raise ValueError(
+                f"LLM(data_parallel_size={dp_size}) is not supported for single-process usage "
+                "and may hang. Please use the explicit multi-process data-parallel example at "
+                "'examples/data_parallel.py'."
+            )
         if "swap_space" in kwargs:
             kwargs.pop("swap_space")
             logger.warning("swap_space is deprecated and ignored.")
@@ -79,6 +105,27 @@ class LLM(PoolingMixin):
     def __repr__(self) -> str:
         return f"LLM(model={self.model_config.model!r})"
 
+    # ----------------------------------------------------------------- workers
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """Ranks of this engine (tensor parallel), times the data-parallel size if asked."""
+        parallel = self.llm_engine.vllm_config.parallel_config
+        return parallel.world_size * (parallel.data_parallel_size if include_dp else 1)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a Worker method (by name) or `method(worker, *args, **kwargs)` on every rank;
+        one result per rank, in rank order."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """`[func(model) for each rank's model]`."""
+        return self.llm_engine.apply_model(func)
+
     # --------------------------------------------------------------- generation
     def generate(
         self,
@@ -92,6 +139,7 @@ class LLM(PoolingMixin):
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         self._check_generate("LLM.generate()")
+        self.llm_engine.check_can_generate()
         self._add_requests(
             prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
         )
@@ -264,6 +312,9 @@ class LLM(PoolingMixin):
     ) -> list[Any]:
         engine = self.llm_engine
         output_type = output_type or (RequestOutput, PoolingRequestOutput)
+        stashed = engine.take_stashed_outputs()  # finished while sleep(mode="wait") drained
+        if engine.has_unfinished_requests():
+            engine.check_awake()
         pbar = None
         if use_tqdm:
             tqdm_func = use_tqdm if callable(use_tqdm) else tqdm
@@ -273,7 +324,7 @@ class LLM(PoolingMixin):
                 dynamic_ncols=True,
                 postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s",
             )
-        outputs: list[Any] = []
+        outputs: list[Any] = list(stashed)
         total_in = total_out = 0
         try:
             while engine.has_unfinished_requests():

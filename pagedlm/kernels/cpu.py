@@ -1,13 +1,13 @@
 """Small C/OpenMP kernels for the CPU, compiled once with the system gcc into the cache dir.
 
-- `paged_decode_attention`: decode rows read K/V straight from the paged cache through the
-  block table (no gather copy), parallel over (sequence, kv head); AMX scores and AVX-512
-  softmax/values where the compiler targets them, portable C otherwise.
+- Paged attention (decode and prefill): see `cpu_attention.py`.
 - `argmax_rows`: greedy sampling on bf16/fp32 logits (torch's bf16 argmax is 6x slower).
 - `rms_norm` (with the residual add), `silu_and_mul`, `rotary_embedding`: one pass over the
   activations instead of several PyTorch element-wise ops.
-- `small_batch_linear`: x W^T for decode batches (<= 64 rows, bf16) on AMX, streaming the
-  dense weight from DRAM faster than oneDNN does at these sizes (up to ~1.5x).
+- `small_batch_linear`: x W^T for decode batches (<= 64 rows, bf16), streaming the weight from
+  DRAM faster than oneDNN does at these sizes: AMX over the dense weight, or AVX-512 BF16
+  (vdpbf16ps) over a blocked copy (`block_small_batch_weight`; ~1.3x oneDNN at 1 row, par at
+  64), with a portable C loop for tests and tied LM heads elsewhere.
 
 When no compiler is available, or PAGEDLM_DISABLE_C_KERNELS=1, `cpu_kernels()` returns None and
 callers use their PyTorch path; the tests check both against the same reference. Math is fp32;
@@ -26,33 +26,61 @@ import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from pagedlm import envs
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=fast"]
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    # q, k_cache, v_cache, block_table, max_blocks, seq_lens, out, num_seqs, num_heads,
-    # num_kv_heads, head_size, block_size, scale, window, bf16, num_threads
-    "paged_decode_attention": [_ptr] * 4
-    + [_i64, _ptr, _ptr]
-    + [_i64] * 5
-    + [_f32, _i64, _int, _int],
-    "argmax_rows": [_ptr, _i64, _i64, _int, _ptr, _int],
-    # x, residual, weight, out, rows, hidden, eps, offset, bf16, num_threads
-    "rms_norm": [_ptr] * 4 + [_i64, _i64, _f32, _f32, _int, _int],
-    "silu_and_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
-    # q, k, positions, cos, sin, tokens, q_heads, k_heads, q_stride, k_stride, head_size,
-    # rotary_dim, bf16, num_threads
-    "rotary_embedding": [_ptr] * 5 + [_i64] * 7 + [_int, _int],
-    # x, w, bias, y, M, N, K, num_threads -> 1 if computed
-    "small_batch_linear": [_ptr] * 4 + [_i64] * 3 + [_int],
-    "small_batch_linear_supported": [],
-}
-_RETURNS_INT = ("small_batch_linear", "small_batch_linear_supported")
+# C function name -> (argtypes, restype), each declared by `declare` next to its wrapper.
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {}
+_loaded: list[ctypes.CDLL] = []
+
+
+def declare(name: str, argtypes: list[Any], restype: Any = None) -> None:
+    """Declare the ctypes prototype of C function `name` (mirroring its csrc definition)."""
+    _SIGNATURES[name] = (argtypes, restype)
+    for lib in _loaded:
+        _bind(lib, name)
+
+
+def _bind(lib: ctypes.CDLL, name: str) -> None:
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = _SIGNATURES[name]
+
+
+def checked(
+    fn: str,
+    name: str,
+    t: torch.Tensor,
+    dtypes: torch.dtype | tuple[torch.dtype, ...],
+    shape: tuple[int, ...] | None = None,
+    rows_strided: bool = False,
+) -> int:
+    """`t.data_ptr()` after checking what the C function `fn` assumes of argument `name`: a
+    CPU tensor of one of `dtypes`, contiguous (or, with `rows_strided`, 2-D with unit stride
+    in the last dim), of `shape` where given. Anything else raises instead of being misread."""
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        raise TypeError(f"{fn}: {name} must be a CPU tensor")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{fn}: {name} must be {want}, got {t.dtype}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if rows_strided:
+        if t.dim() != 2 or t.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must be 2-D with contiguous rows")
+    elif not t.is_contiguous():
+        raise ValueError(f"{fn}: {name} must be contiguous")
+    return t.data_ptr()
+
+
 SMALL_BATCH_ROWS = 64  # up to here the AMX kernel streams weights faster than oneDNN
 
 
@@ -66,7 +94,7 @@ def _cpu_flags() -> str:
 
 
 def _build() -> Path | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = envs.CC or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
     from pagedlm.model_loader.catalog import cache_dir
@@ -96,7 +124,7 @@ def _build() -> Path | None:
 @lru_cache(maxsize=1)
 def cpu_kernels() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (no compiler, or PAGEDLM_DISABLE_C_KERNELS=1)."""
-    if os.environ.get("PAGEDLM_DISABLE_C_KERNELS") == "1":
+    if envs.PAGEDLM_DISABLE_C_KERNELS:
         return None
     try:
         path = _build()
@@ -106,10 +134,11 @@ def cpu_kernels() -> ctypes.CDLL | None:
     except OSError as e:
         logger.warning("C kernels unavailable, using PyTorch paths: %s", e)
         return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name in _RETURNS_INT else None
+    import pagedlm.kernels.cpu_attention  # noqa: F401  (declares the attention prototypes)
+
+    for name in _SIGNATURES:
+        _bind(lib, name)
+    _loaded.append(lib)
     return lib
 
 
@@ -123,61 +152,47 @@ def kernels_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     return cpu_kernels()
 
 
-def _is_bf16(t: torch.Tensor) -> int:
-    if t.dtype not in (torch.bfloat16, torch.float32):
+_FLOATS = (torch.bfloat16, torch.float32)
+
+
+def is_bf16(t: torch.Tensor) -> int:
+    if t.dtype not in _FLOATS:
         raise TypeError(f"C kernels take bf16 or fp32 tensors, got {t.dtype}")
     return int(t.dtype == torch.bfloat16)
 
 
-def paged_decode_attention(
-    lib: ctypes.CDLL,
-    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [num_seqs, max_blocks] int64
-    seq_lens: torch.Tensor,  # [num_seqs] int64
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    query = query.contiguous()
-    block_table = block_table.contiguous()
-    out = torch.empty_like(query)
-    num_seqs, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    lib.paged_decode_attention(
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_table.data_ptr(),
-        block_table.shape[1],
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_size,
-        block_size,
-        scale,
-        sliding_window or 0,
-        _is_bf16(query),
-        torch.get_num_threads(),
-    )
-    return out
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _ok(fn: str, status: int) -> None:
+    """C kernels return 0 when an allocation failed (their outputs are then incomplete)."""
+    if not status:
+        raise MemoryError(f"C kernel {fn}: out of memory")
+
+
+declare("argmax_rows", [_ptr, _i64, _i64, _int, _ptr, _int])  # logits, rows, vocab, bf16, out
 
 
 def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] bf16/fp32 -> [rows] int64, the first maximal index (as torch.argmax)."""
     logits = logits.contiguous()
+    if logits.dim() != 2:
+        raise ValueError(f"argmax_rows: logits must be [rows, vocab], got {tuple(logits.shape)}")
     out = torch.empty(logits.shape[0], dtype=torch.long)
     lib.argmax_rows(
-        logits.data_ptr(),
+        checked("argmax_rows", "logits", logits, _FLOATS),
         logits.shape[0],
         logits.shape[1],
-        _is_bf16(logits),
+        is_bf16(logits),
         out.data_ptr(),
-        torch.get_num_threads(),
+        _threads(),
     )
     return out
+
+
+# x, residual, weight, out, rows, hidden, eps, offset, bf16, num_threads -> 0 if OOM
+declare("rms_norm", [_ptr] * 4 + [_i64, _i64, _f32, _f32, _int, _int], _int)
 
 
 def rms_norm(
@@ -189,23 +204,27 @@ def rms_norm(
     offset: float,
 ) -> torch.Tensor:
     """RMSNorm of x (+ residual) over the last dim; `residual` becomes x + residual in place."""
+    fn = "rms_norm"
     hidden = x.shape[-1]
     x = x.contiguous()
-    assert residual is None or residual.is_contiguous()
     out = torch.empty_like(x)
-    lib.rms_norm(
-        x.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        weight.data_ptr(),
+    status = lib.rms_norm(
+        checked(fn, "x", x, _FLOATS),
+        None if residual is None else checked(fn, "residual", residual, x.dtype, tuple(x.shape)),
+        checked(fn, "weight", weight, x.dtype, (hidden,)),
         out.data_ptr(),
         x.numel() // hidden,
         hidden,
         eps,
         offset,
-        _is_bf16(x),
-        torch.get_num_threads(),
+        is_bf16(x),
+        _threads(),
     )
+    _ok(fn, status)
     return out
+
+
+declare("silu_and_mul", [_ptr, _ptr, _i64, _i64, _int, _int], _int)  # x, out, rows, d -> 0: OOM
 
 
 def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
@@ -213,10 +232,19 @@ def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], d)
-    lib.silu_and_mul(
-        x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, _is_bf16(x), torch.get_num_threads()
-    )
+    ptr = checked("silu_and_mul", "x", x, _FLOATS)
+    status = lib.silu_and_mul(ptr, out.data_ptr(), x.numel() // (2 * d), d, is_bf16(x), _threads())
+    _ok("silu_and_mul", status)
     return out
+
+
+declare(
+    "rotary_embedding",
+    # q, k, positions, cos, sin, tokens, q_heads, k_heads, q_stride, k_stride, head_size,
+    # rotary_dim, bf16, num_threads -> 0 if OOM
+    [_ptr] * 5 + [_i64] * 7 + [_int, _int],
+    _int,
+)
 
 
 def rotary_embedding(
@@ -229,51 +257,124 @@ def rotary_embedding(
     head_size: int,
 ) -> None:
     """NeoX RoPE applied in place to the first rotary_dim dims of each head."""
-    assert query.stride(-1) == 1 and key.stride(-1) == 1
-    lib.rotary_embedding(
-        query.data_ptr(),
-        key.data_ptr(),
-        positions.contiguous().data_ptr(),
-        cos_cache.data_ptr(),
-        sin_cache.data_ptr(),
-        query.shape[0],
+    fn = "rotary_embedding"
+    tokens = query.shape[0]
+    positions = positions.contiguous()
+    status = lib.rotary_embedding(
+        checked(fn, "query", query, _FLOATS, rows_strided=True),
+        checked(fn, "key", key, query.dtype, rows_strided=True),
+        checked(fn, "positions", positions, torch.int64, (tokens,)),
+        checked(fn, "cos_cache", cos_cache, torch.float32),
+        checked(fn, "sin_cache", sin_cache, torch.float32, tuple(cos_cache.shape)),
+        tokens,
         query.shape[1] // head_size,
         key.shape[1] // head_size,
         query.stride(0),
         key.stride(0),
         head_size,
         cos_cache.shape[1],
-        _is_bf16(query),
-        torch.get_num_threads(),
+        is_bf16(query),
+        _threads(),
     )
+    _ok(fn, status)
+
+
+declare("small_batch_linear_supported", [], _int)  # AMX compiled in and granted by the OS
+declare("gemv_bf16_avx512_compiled", [], _int)
+
+
+def small_batch_linear_isa() -> str | None:
+    """The small-batch linear that beats oneDNN here: "amx", "avx512_bf16", or None (only the
+    portable C loop, slower than oneDNN, would run)."""
+    lib = cpu_kernels()
+    if lib is None:
+        return None
+    if lib.small_batch_linear_supported():
+        return "amx"
+    if lib.gemv_bf16_avx512_compiled():
+        return "avx512_bf16"
+    return None
 
 
 def small_batch_linear_supported() -> bool:
-    """Whether `small_batch_linear` runs here (compiled with AMX, and the OS grants it)."""
-    lib = cpu_kernels()
-    return lib is not None and bool(lib.small_batch_linear_supported())
+    """Whether a fast `small_batch_linear` (AMX or AVX-512 BF16) runs here."""
+    return small_batch_linear_isa() is not None
+
+
+# x, w, bias, y, M, N, K, num_threads -> 1 if computed (0: shape rules or no AMX)
+declare("small_batch_linear", [_ptr] * 4 + [_i64] * 3 + [_int], _int)
+# x, w, bias, y, M, N, K, isa (1 = AVX-512 BF16, 0 = portable), num_threads -> 1 if computed
+declare("gemv_bf16", [_ptr] * 4 + [_i64] * 3 + [_int, _int], _int)
 
 
 def small_batch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None
 ) -> torch.Tensor | None:
-    """x [M, K] @ weight [N, K]^T (+ bias) for M <= SMALL_BATCH_ROWS bf16 rows on AMX; None
-    where the kernel does not apply (other dtypes or shapes, no AMX): use another path."""
+    """x [M, K] @ weight [N, K]^T (+ bias) for M <= SMALL_BATCH_ROWS bf16 rows; None where the
+    kernel does not apply (other dtypes, more rows, no fast ISA): use another path.
+
+    `weight` is dense [N, K] or blocked [N/16, K/2, 16, 2] (`block_small_batch_weight`).
+    `isa` forces a dense path ("amx", "avx512_bf16" or "portable"; tests); None takes the
+    fastest (AMX where its shape rules hold, else AVX-512 BF16).
+    """
     if x.dim() != 2 or x.shape[0] > SMALL_BATCH_ROWS or not weight.is_contiguous():
         return None
     lib = kernels_for(x, weight) if x.dtype == torch.bfloat16 else None
     if lib is None or (bias is not None and bias.dtype != x.dtype):
         return None
+    if weight.dim() == 4:
+        return _blocked_linear(lib, x, weight, bias)
+    if isa is None:
+        isa = small_batch_linear_isa()
+        if isa is None:
+            return None
+    fn = "small_batch_linear"
     x = x.contiguous()
-    y = x.new_empty(x.shape[0], weight.shape[0])
-    ok = lib.small_batch_linear(
-        x.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.contiguous().data_ptr(),
-        y.data_ptr(),
-        x.shape[0],
-        weight.shape[0],
-        weight.shape[1],
-        torch.get_num_threads(),
+    m, k = x.shape
+    n = weight.shape[0]
+    args = (
+        checked(fn, "x", x, torch.bfloat16),
+        checked(fn, "weight", weight, torch.bfloat16, (n, k)),
+        None if bias is None else checked(fn, "bias", bias.contiguous(), torch.bfloat16, (n,)),
     )
+    y = x.new_empty(m, n)
+    if isa == "amx":
+        if lib.small_batch_linear(*args, y.data_ptr(), m, n, k, _threads()):
+            return y
+        if not lib.gemv_bf16_avx512_compiled():
+            return None
+        isa = "avx512_bf16"
+    code = {"avx512_bf16": 1, "portable": 0}[isa]
+    return y if lib.gemv_bf16(*args, y.data_ptr(), m, n, k, code, _threads()) else None
+
+
+def block_small_batch_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The AVX-512 BF16 kernel's layout of a bf16 [N, K] weight: [N/16, K/2, 16, 2], each
+    64-byte line a k pair of 16 output rows; None unless N % 16 == 0 and K is even."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % 16 or k % 2:
+        return None
+    return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+# x, blocked w [N/16, K/2, 16, 2], bias, y, M, N/16, K/2, num_threads -> 1 if computed
+declare("gemv_bf16_blocked", [_ptr] * 4 + [_i64] * 3 + [_int], _int)
+
+
+def _blocked_linear(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    fn = "small_batch_linear (blocked)"
+    nblk, kp = weight.shape[:2]
+    n = nblk * 16
+    x = x.contiguous()
+    if x.shape[1] != 2 * kp:
+        raise ValueError(f"{fn}: x {tuple(x.shape)} against weight {tuple(weight.shape)}")
+    args = (
+        checked(fn, "x", x, torch.bfloat16),
+        checked(fn, "weight", weight, torch.bfloat16, (nblk, kp, 16, 2)),
+        None if bias is None else checked(fn, "bias", bias.contiguous(), torch.bfloat16, (n,)),
+    )
+    y = x.new_empty(x.shape[0], n)
+    ok = lib.gemv_bf16_blocked(*args, y.data_ptr(), x.shape[0], nblk, kp, _threads())
     return y if ok else None

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedlm.attention.backend import AttentionBackend
+from pagedlm.attention.kv_cache_dtype import calculate_kv_scales, is_fp8
 from pagedlm.forward_context import get_attn_metadata
 
 
@@ -35,6 +36,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.attn_type = attn_type  # "decoder" (causal, paged KV) or "encoder_only"
         self.kv_cache: torch.Tensor = torch.empty(0)
+        # per-tensor scales of an fp8 KV cache (vLLM's k_scale / v_scale), 1.0 unless calibrated
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.calculate_kv_scales = False  # set from the cache config with the KV cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -49,6 +54,9 @@ class Attention(nn.Module):
                 self.scale,
             )
             return out.reshape(num_tokens, self.num_heads * self.head_size)
+        if self.calculate_kv_scales and is_fp8(self.kv_cache.dtype):
+            self.k_scale, self.v_scale = calculate_kv_scales(k, v)
+            self.calculate_kv_scales = False
         out = backend.forward(
             q.view(num_tokens, self.num_heads, self.head_size),
             k.view(num_tokens, self.num_kv_heads, self.head_size),
@@ -57,5 +65,7 @@ class Attention(nn.Module):
             get_attn_metadata(),
             self.scale,
             self.sliding_window,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)

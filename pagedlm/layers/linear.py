@@ -1,10 +1,13 @@
 """Linear layers with vLLM's names; fused QKV and gate/up projections load from separate shards.
 
-Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies a
-checkpoint tensor into the right rows. Tensor parallelism is size 1 for now: no sharding.
-After loading, `process_weights_after_loading` adds the platform's prepacked layout (oneDNN on
-CPU) and drops the dense weight unless the platform's small-batch kernel reads it; from then on
-the weights are final and only `linear` reads them.
+Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
+rank's part of a checkpoint tensor into the right rows. Under tensor parallelism,
+column-parallel layers hold a slice of the output rows and row-parallel layers a slice of the
+input columns, followed by an all-reduce (vLLM's Megatron-style split).
+How a layer holds its weight and computes is its `quant_method` (layers/quantization): the
+unquantized method adds, after loading, the platform's prepacked layout (oneDNN on CPU) and
+the small-batch kernel's copy, and computes with `linear`; GGUF and int8 methods keep
+quantized weights. From `process_weights_after_loading` on the weights are final.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from pagedlm.kernels import cpu as cpu_kernels
 from pagedlm.platforms import current_platform
 
@@ -23,8 +31,9 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches go to the AMX kernel over
-    the dense weight, the rest to oneDNN. `weight` itself may be the prepacked layout."""
+    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches go to the small-batch
+    kernel (AMX over the dense weight, or AVX-512 BF16 over its blocked copy), the rest to
+    oneDNN. `weight` itself may be the prepacked layout."""
     if packed is not None:
         y = cpu_kernels.small_batch_linear(x, weight, bias)
         if y is not None:
@@ -38,12 +47,18 @@ def linear(
 def prepack_weight(module: nn.Module) -> torch.Tensor | None:
     """Prepack `module.weight` for `linear`; returns the copy to pass as `packed`, or None.
 
-    The dense weight survives only where the platform's small-batch kernel reads it; otherwise
-    the prepacked layout replaces `module.weight` (and None is returned).
+    Where the platform has a small-batch kernel, `module.weight` becomes the layout that kernel
+    reads (the dense weight for AMX, a blocked copy for AVX-512 BF16) and the prepacked copy is
+    returned; otherwise the prepacked layout replaces `module.weight` (and None is returned).
     """
     weight = module.weight.data
     packed = current_platform.prepack_linear_weight(weight)
-    if packed is None or current_platform.reads_dense_weight(weight):
+    if packed is None:
+        return None
+    small = current_platform.small_batch_weight(weight)
+    if small is not None:
+        if small is not weight:
+            module.weight = nn.Parameter(small, requires_grad=False)
         return packed
     module.weight = nn.Parameter(packed, requires_grad=False)
     return None
@@ -59,15 +74,19 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b); weights stored [output_size, input_size] as in checkpoints."""
+    """y = x W^T (+ b); weights stored [output_size, input_size] (this rank's shard)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | None = None
+        self.params_dtype = torch.get_default_dtype()
+        from pagedlm.layers.quantization import get_linear_method
+
+        self.quant_method = get_linear_method()  # creates self.weight (and its loader)
+        self.quant_method.create_weights(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -80,29 +99,67 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = prepack_weight(self)
+        self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.quant_method.apply(self, x, self.bias)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tensor_parallel_size {denominator}")
+    return numerator // denominator
 
 
 class ReplicatedLinear(LinearBase):
-    pass
+    """Every rank holds the whole weight."""
 
 
 class ColumnParallelLinear(LinearBase):
-    pass
+    """Output rows split over ranks: rank r holds rows [r * out / tp, (r + 1) * out / tp).
+    The output stays split (the next row-parallel layer consumes it)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        super().__init__(input_size, divide(output_size, tp_size), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        rows = param.shape[0]
+        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * rows, rows))
 
 
 class RowParallelLinear(LinearBase):
-    pass
+    """Input columns split over ranks; partial products are summed (all-reduce), then the
+    bias, held whole by every rank, is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        super().__init__(divide(input_size, tp_size), output_size, bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if param.dim() == 2:
+            cols = param.shape[1]
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * cols, cols)
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        y = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
+        return y if self.bias is None else y + self.bias
 
 
-class MergedColumnParallelLinear(LinearBase):
-    """Several projections of the same input stacked on the output dim (gate_proj + up_proj)."""
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several projections of the same input stacked on the output dim (gate_proj + up_proj);
+    each is split over ranks, so a rank holds [gate shard | up shard]."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        self.output_sizes = list(output_sizes)
+        tp_size = get_tensor_model_parallel_world_size()
+        self.output_sizes = [divide(size, tp_size) for size in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(
@@ -111,11 +168,17 @@ class MergedColumnParallelLinear(LinearBase):
         assert isinstance(shard_id, int)
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), shard)
 
 
-class QKVParallelLinear(LinearBase):
-    """q, k and v projections in one matmul; output is [q | k | v] along the last dim."""
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; output is [q | k | v] of this rank's heads.
+
+    Query heads split evenly; KV heads too when there are at least as many as ranks, else
+    each KV head is replicated on tp / total_num_kv_heads consecutive ranks (as vLLM does).
+    `num_heads` / `num_kv_heads` are this rank's counts.
+    """
 
     def __init__(
         self,
@@ -125,20 +188,29 @@ class QKVParallelLinear(LinearBase):
         total_num_kv_heads: int,
         bias: bool = False,
     ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
         self.head_size = head_size
-        self.num_heads = total_num_heads
-        self.num_kv_heads = total_num_kv_heads
-        self.q_size = total_num_heads * head_size
-        self.kv_size = total_num_kv_heads * head_size
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+        self.num_heads = divide(total_num_heads, tp_size)
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        offsets = {
-            "q": (0, self.q_size),
-            "k": (self.q_size, self.kv_size),
-            "v": (self.q_size + self.kv_size, self.kv_size),
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        offsets = {  # shard -> (offset in this rank's param, size, start in the checkpoint)
+            "q": (0, self.q_size, self.tp_rank * self.q_size),
+            "k": (self.q_size, self.kv_size, kv_rank * self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size, kv_rank * self.kv_size),
         }
-        offset, size = offsets[shard_id]  # type: ignore[index]
-        default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)
+        offset, size, start = offsets[shard_id]  # type: ignore[index]
+        default_weight_loader(
+            param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size)
+        )

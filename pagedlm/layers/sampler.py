@@ -1,11 +1,19 @@
 """The sampler, in vLLM v1's order of operations, all math in fp32:
 
-1. raw logprobs (before any processing) when logprobs are requested;
+0. structured outputs: grammar bitmask rows set disallowed logits to -inf (every path);
+1. raw logprobs (before any other processing) when logprobs are requested;
 2. allowed_token_ids mask, bad words, min_tokens (stop ids masked), logit_bias;
 3. penalties: repetition (prompt + output), frequency and presence (output);
 4. greedy rows take the argmax; random rows: temperature, min_p, top-k, top-p, then an
    exponential race (argmax of p / Exp(1) noise), drawn from a per-request generator for seeded
    requests so their tokens do not depend on the rest of the batch.
+
+`logprobs_mode` "processed_logits" / "processed_logprobs" report the logits the token was
+drawn from (after steps 2-4; -inf where masked), or their log_softmax, as vLLM does: when every
+row is greedy that is after the penalties; otherwise greedy rows of the batch count with
+temperature 1 and their own min_p / top-k / top-p. Prompt logprobs stay raw in every mode (as
+in vLLM's runner).
+With return_sampling_mask, each row also reports its support: the ids still finite after step 4.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 
 from pagedlm.core.sched_output import LogprobsLists
 from pagedlm.kernels.cpu import argmax_rows, kernels_for
+from pagedlm.structured_output.bitmask import apply_grammar_bitmask
 
 
 @dataclass
@@ -41,6 +50,10 @@ class SamplingMetadata:
     min_tokens_stop_ids: dict[int, list[int]] = field(default_factory=dict)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
     logprobs_mode: str = "raw_logprobs"
+    # Structured outputs: logits rows constrained by a grammar and their int32 bitmask rows.
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None  # [len(grammar_rows), ceil(vocab / 32)]
+    return_sampling_mask: bool = False  # report each row's surviving token ids
 
     @property
     def has_logits_processors(self) -> bool:
@@ -62,6 +75,8 @@ class SamplingMetadata:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsLists | None
+    # Per row, the token ids whose processed logit is finite (the support sampled from).
+    sampling_mask: list[list[int]] | None = None
 
 
 _SAMPLING_EPS = 1e-5
@@ -94,20 +109,28 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if md.all_greedy and md.max_num_logprobs is None and not md.modifies_logits:
+        if md.grammar_bitmask is not None:
+            # before everything (raw logprobs included, as vLLM): disallowed tokens are -inf
+            logits = apply_grammar_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
+        fast = not (md.max_num_logprobs is not None or md.modifies_logits)
+        if md.all_greedy and fast and not md.return_sampling_mask:
             # casting to fp32 keeps order and ties, so the argmax of model-dtype logits is exact
             return SamplerOutput(greedy_sample(logits), None)
         logits = logits.float()
         raw = None
-        if md.max_num_logprobs is not None:
-            raw = logits if md.logprobs_mode == "raw_logits" else logits.log_softmax(-1)
+        mode = md.logprobs_mode
+        if md.max_num_logprobs is not None and not mode.startswith("processed"):
+            raw = logits if mode == "raw_logits" else logits.log_softmax(-1)
         logits = self.apply_logits_processors(logits, md)
         logits = self.apply_penalties(logits, md)
-        sampled = self.sample(logits, md)
+        sampled, processed = self.sample(logits, md)
+        if md.max_num_logprobs is not None and mode.startswith("processed"):
+            raw = processed if mode == "processed_logits" else processed.log_softmax(-1)
         lists = None
         if raw is not None:
             lists = gather_logprobs(raw, md.max_num_logprobs, sampled)
-        return SamplerOutput(sampled, lists)
+        mask = sampling_support(processed) if md.return_sampling_mask else None
+        return SamplerOutput(sampled, lists, mask)
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -156,10 +179,23 @@ class Sampler:
         logits = logits - md.presence_penalties.unsqueeze(1) * (output_counts > 0)
         return logits
 
-    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled ids, processed logits): the temperature-scaled logits after min_p, top-k
+        and top-p (-inf where filtered); greedy rows are their logits."""
         greedy = greedy_sample(logits)
         if md.all_greedy:
-            return greedy
+            return greedy, logits
+        is_greedy = md.temperature < _SAMPLING_EPS
+        processed = self.filtered_logits(logits, md)
+        random = self.exponential_race(processed.softmax(-1), md.generators)
+        return torch.where(is_greedy, greedy, random), processed
+
+    @staticmethod
+    def filtered_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The logits random rows draw from: temperature, min_p, top-k, top-p (-inf where
+        filtered; greedy rows: temperature 1)."""
         is_greedy = md.temperature < _SAMPLING_EPS
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature.unsqueeze(1)
@@ -167,10 +203,17 @@ class Sampler:
             probs = logits.softmax(-1)
             threshold = probs.amax(-1, keepdim=True) * md.min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(-1)
-        random = self.exponential_race(probs, md.generators)
-        return torch.where(is_greedy, greedy, random)
+        return apply_top_k_top_p(logits, md.top_k, md.top_p)
+
+    @classmethod
+    def filtered_probs(cls, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from."""
+        return cls.filtered_logits(logits, md).softmax(-1)
+
+    def target_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """[rows, vocab] fp32: what `__call__` would sample each random row from."""
+        logits = self.apply_penalties(self.apply_logits_processors(logits.float(), md), md)
+        return self.filtered_probs(logits, md)
 
     @staticmethod
     def exponential_race(
@@ -183,6 +226,18 @@ class Sampler:
         for row, generator in generators.items():
             q[row].exponential_(generator=generator)
         return probs.div(q).argmax(-1)
+
+
+def sampling_support(processed: torch.Tensor) -> list[list[int]]:
+    """Per row, the ascending token ids whose processed logit is finite."""
+    finite = torch.isfinite(processed)
+    _, cols = finite.nonzero(as_tuple=True)  # row-major: each row's ids are contiguous
+    ids = cols.tolist()
+    out, start = [], 0
+    for count in finite.sum(-1).tolist():
+        out.append(ids[start : start + count])
+        start += count
+    return out
 
 
 def apply_top_k_top_p(

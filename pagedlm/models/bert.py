@@ -26,6 +26,7 @@ from torch import nn
 
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.linear import (
+    ColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -174,8 +175,12 @@ class BertEmbeddings(nn.Module):
                 "supported (only 'absolute')."
             )
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, hidden)
-        self.position_embeddings = VocabParallelEmbedding(config.max_position_embeddings, hidden)
-        self.token_type_embeddings = VocabParallelEmbedding(config.type_vocab_size, hidden)
+        self.position_embeddings = VocabParallelEmbedding(
+            config.max_position_embeddings, hidden, replicated=True
+        )
+        self.token_type_embeddings = VocabParallelEmbedding(
+            config.type_vocab_size, hidden, replicated=True
+        )
         self.LayerNorm = BertLayerNorm(hidden, config.layer_norm_eps)
 
     def forward(
@@ -196,12 +201,11 @@ class BertSelfAttention(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_heads, bias=True
-        )
-        self.q_size = self.num_heads * self.head_dim
+        total_heads = config.num_attention_heads
+        self.head_dim = hidden // total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, True)
+        self.num_heads = self.qkv_proj.num_heads  # this tensor-parallel rank's heads
+        self.q_size = self.qkv_proj.q_size
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -240,7 +244,7 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.dense = ReplicatedLinear(config.hidden_size, config.intermediate_size, bias=True)
+        self.dense = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True)
         self.act_fn = _get_act(config.hidden_act)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

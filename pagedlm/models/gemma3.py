@@ -72,16 +72,15 @@ class Gemma3Attention(nn.Module):
         if getattr(config, "use_bidirectional_attention", False):
             raise NotImplementedError("Gemma 3 with bidirectional attention is not supported.")
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias
-        )
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias)
+        # this tensor-parallel rank's heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, offset=1.0)
         kind = layer_type(config, layer_idx)
@@ -175,9 +174,9 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden_states)
-        if self.final_logit_softcapping:
+        if logits is not None and self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits

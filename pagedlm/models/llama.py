@@ -55,20 +55,21 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, max_position: int) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         attention_bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(
             hidden,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            total_heads,
+            total_kv_heads,
             bias=attention_bias or self.qkv_bias_default,
         )
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=attention_bias)
+        # this tensor-parallel rank's heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=attention_bias)
         if self.use_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)

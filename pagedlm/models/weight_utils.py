@@ -1,4 +1,10 @@
-"""Copy checkpoint tensors into model parameters through each parameter's `weight_loader`."""
+"""Copy checkpoint tensors into model parameters through each parameter's `weight_loader`.
+
+Two regimes, chosen by the model's state:
+- before `finalize_weights` (checkpoint loading): strict, every parameter must be provided;
+- after it (RL updates, `model.load_weights([(name, tensor)])`): incremental and non-strict,
+  any subset in any number of calls, all-or-nothing per call (see model_loader/reload.py).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,22 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+
+def resolve_weight_name(
+    name: str,
+    params: dict[str, nn.Parameter] | set[str],
+    stacked_params_mapping: list[tuple[str, str, object]],
+) -> tuple[str, object] | None:
+    """Checkpoint name -> (parameter name, shard id or None); None if nothing receives it."""
+    for param_name, shard_name, shard_id in stacked_params_mapping:
+        if shard_name in name:
+            target = name.replace(shard_name, param_name)
+            if target in params:
+                return target, shard_id
+    if name in params:
+        return name, None
+    return None
 
 
 def load_packed_weights(
@@ -16,30 +38,31 @@ def load_packed_weights(
 ) -> set[str]:
     """Load (name, tensor) pairs; fused parameters get their shard id. Returns loaded names.
 
-    Raises ValueError for a checkpoint tensor with no parameter to receive it, and for
-    parameters the checkpoint did not provide.
+    Checkpoint loading raises ValueError for a checkpoint tensor with no parameter to receive
+    it, and for parameters the checkpoint did not provide. Once the model's weights are
+    finalized, loading is incremental (only the names given change).
     """
+    if getattr(model, "weights_finalized", False):
+        from pagedlm.model_loader.reload import load_weights_incremental
+
+        return load_weights_incremental(model, weights, stacked_params_mapping, skip_suffixes)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     shards_loaded: dict[str, set[object]] = {}
     for name, tensor in weights:
         if name.endswith(skip_suffixes):
             continue
-        for param_name, shard_name, shard_id in stacked_params_mapping:
-            if shard_name in name:
-                target = name.replace(shard_name, param_name)
-                if target in params:
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard_id)
-                    loaded.add(target)
-                    shards_loaded.setdefault(target, set()).add(shard_id)
-                    break
-        else:
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-            param = params[name]
+        resolved = resolve_weight_name(name, params, stacked_params_mapping)
+        if resolved is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+        target, shard_id = resolved
+        param = params[target]
+        if shard_id is None:
             param.weight_loader(param, tensor)
-            loaded.add(name)
+        else:
+            param.weight_loader(param, tensor, shard_id)
+            shards_loaded.setdefault(target, set()).add(shard_id)
+        loaded.add(target)
     missing = {
         n for n, p in model.named_parameters() if n not in loaded and not n.endswith(skip_suffixes)
     }

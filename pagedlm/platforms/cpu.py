@@ -8,6 +8,7 @@ import os
 import psutil
 import torch
 
+from pagedlm import envs
 from pagedlm.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
@@ -17,6 +18,16 @@ _threads_set = False
 _PREPACK_BATCH_HINT = 64
 # Dense bf16 copies (for the small-batch kernel) are kept while the process stays under this.
 _DENSE_COPY_RAM_FRACTION = 0.4
+
+
+def usable_cores() -> int:
+    """Physical cores this process may run on (its affinity mask caps the count)."""
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    try:
+        cores = min(cores, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this OS
+        pass
+    return max(1, cores)
 
 
 class CpuPlatform(Platform):
@@ -29,23 +40,31 @@ class CpuPlatform(Platform):
         avx512_bf16 = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
         return bool(amx or avx512_bf16)
 
-    def setup_threads(self) -> None:
-        """One intra-op thread per physical core, set once; tokenizers stay single-threaded."""
+    def setup_threads(self, cpu_ids: list[int] | None = None) -> None:
+        """One intra-op thread per physical core, set once; tokenizers stay single-threaded.
+
+        A worker process of a multi-rank executor passes its `cpu_ids`: it is pinned to them
+        and runs one thread per id.
+        """
         global _threads_set
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if cpu_ids:
+            os.sched_setaffinity(0, cpu_ids)
+            torch.set_num_threads(len(cpu_ids))
+            _threads_set = True
+            logger.info("CPU worker pinned to CPUs %s", cpu_ids)
+            return
         if _threads_set:
             return
         _threads_set = True
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if "OMP_NUM_THREADS" in os.environ:
+        if envs.OMP_NUM_THREADS is not None:
             return
-        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        try:
-            affinity = len(os.sched_getaffinity(0))
-            cores = min(cores, affinity)
-        except AttributeError:
-            pass
-        torch.set_num_threads(max(1, cores))
-        logger.info("CPU platform: %d threads, bf16 native: %s", cores, self.supports_bf16())
+        torch.set_num_threads(usable_cores())
+        logger.info(
+            "CPU platform: %d threads, bf16 native: %s",
+            torch.get_num_threads(),
+            self.supports_bf16(),
+        )
 
     def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """oneDNN's blocked (AMX/VNNI) layout, so matmuls skip reordering the weight every call.
@@ -53,7 +72,7 @@ class CpuPlatform(Platform):
         bf16 needs native bf16; fp32 is packed too so the fp32 oracle tests cover this path.
         PAGEDLM_DISABLE_PREPACK=1 keeps dense weights.
         """
-        if os.environ.get("PAGEDLM_DISABLE_PREPACK") == "1":
+        if envs.PAGEDLM_DISABLE_PREPACK:
             return None
         native = weight.dtype == torch.float32 or (
             weight.dtype == torch.bfloat16 and self.supports_bf16()
@@ -62,19 +81,30 @@ class CpuPlatform(Platform):
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PREPACK_BATCH_HINT)
         return None
 
-    def reads_dense_weight(self, weight: torch.Tensor) -> bool:
-        """bf16 with AMX: decode batches stream the dense weight through the small-batch kernel
-        (oneDNN's prepacked copy serves prefill), at the price of holding both. Only while the
-        process stays under `_DENSE_COPY_RAM_FRACTION` of RAM with this copy: a model too big to
-        hold twice keeps the prepacked layout alone, and the KV cache keeps its room."""
+    def small_batch_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The copy of a bf16 weight that the small-batch kernel reads, held next to oneDNN's
+        prepacked one: the dense weight itself for AMX, the blocked layout for AVX-512 BF16
+        (`block_small_batch_weight`); None where no such kernel runs or the shape does not fit.
+        Only while the process stays under `_DENSE_COPY_RAM_FRACTION` of RAM with this copy: a
+        model too big to hold twice keeps the prepacked layout alone, and the KV cache keeps
+        its room."""
         if weight.dtype != torch.bfloat16:
-            return False
-        from pagedlm.kernels.cpu import small_batch_linear_supported
+            return None
+        from pagedlm.kernels.cpu import block_small_batch_weight, small_batch_linear_isa
 
-        if not small_batch_linear_supported():
-            return False
+        isa = small_batch_linear_isa()
+        if isa is None:
+            return None
         held = psutil.Process().memory_info().rss + weight.numel() * weight.element_size()
-        return held <= psutil.virtual_memory().total * _DENSE_COPY_RAM_FRACTION
+        if held > psutil.virtual_memory().total * _DENSE_COPY_RAM_FRACTION:
+            return None
+        return weight if isa == "amx" else block_small_batch_weight(weight)
+
+    def reads_dense_weight(self, weight: torch.Tensor) -> bool:
+        """Whether the small-batch kernel reads the dense weight itself (AMX) next to the
+        prepacked one; AVX-512 BF16 reads its own blocked copy (`small_batch_weight`)."""
+        small = self.small_batch_weight(weight)
+        return small is not None and small.dim() == 2
 
     def kv_cache_budget_bytes(self, utilization: float) -> int:
         """`utilization` of total RAM minus what this process already holds, as vLLM-CPU does."""

@@ -9,6 +9,7 @@ from pagedlm.platforms.interface import Platform
 
 class CudaPlatform(Platform):
     device_type = "cuda"
+    dist_backend = "nccl"
 
     def supports_bf16(self) -> bool:
         return torch.cuda.is_bf16_supported()

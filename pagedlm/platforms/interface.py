@@ -12,6 +12,7 @@ class Platform:
     """Device facts and policies; subclasses override what differs per device."""
 
     device_type: str = "cpu"
+    dist_backend: str = "gloo"  # torch.distributed backend between ranks
     # Row chunk for dense blocks (the MLP) on long inputs, so the intermediate activations stay
     # in cache; None runs all rows at once.
     dense_chunk_rows: int | None = None
@@ -29,8 +30,8 @@ class Platform:
             return torch.float32
         return torch.bfloat16 if self.supports_bf16() else torch.float32
 
-    def setup_threads(self) -> None:
-        """Called once before the model is built."""
+    def setup_threads(self, cpu_ids: list[int] | None = None) -> None:
+        """Called before the model is built; a worker process passes the CPUs it owns."""
 
     def kv_cache_budget_bytes(self, utilization: float) -> int:
         """Bytes the KV cache may use when `kv_cache_memory_bytes` is not given."""
@@ -44,6 +45,11 @@ class Platform:
     def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """A device-specific layout of an [out, in] weight that `layers.linear.linear` accepts,
         or None to keep the dense weight."""
+        return None
+
+    def small_batch_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The layout of an [out, in] weight a small-batch kernel reads next to the prepacked
+        one (the dense weight itself, or a kernel-specific copy), or None."""
         return None
 
     def reads_dense_weight(self, weight: torch.Tensor) -> bool:

@@ -1,105 +1,234 @@
-"""Step inputs built with numpy from the scheduler's decision (no Python loop per token).
+"""The worker's persistent batch: per-request state kept across steps, in numpy rows.
 
-Batch order: requests with one new token (decodes) first, then prefill chunks; the attention
-backend relies on it. `logits_indices[i]` is the flat token row whose logits sample request i
-of `sampling_requests`.
+Invariants: rows [0, num_reqs) hold exactly the requests in the batch (a removed row is filled
+by the last one, so rows stay dense); `token_ids[row, :num_tokens[row]]` are the request's
+prompt + output tokens as the scheduler last sent them; `block_table[row, :num_blocks[row]]`
+its KV blocks. Sampling parameters are written into their arrays once, when a request joins,
+so building a step's sampling metadata slices arrays instead of looping over requests.
+A request preempted by the scheduler leaves the batch but keeps its `CachedRequestState`
+(tokens, seeded generator) until it finishes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
-from pagedlm.attention.backend import CommonAttentionMetadata
-from pagedlm.core.kv_cache_manager import KVCacheManager
-from pagedlm.core.request import Request
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.pooling_params import PoolingParams
+from pagedlm.sampling_params import SamplingParams
+
+_SAMPLING_EPS = 1e-5
 
 
 @dataclass
-class StepInputs:
-    requests: list[Request]  # batch order
-    input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    token_type_ids: np.ndarray | None  # [num_tokens] int64, for encoders with segment ids
-    attn: CommonAttentionMetadata
-    sampling_requests: list[Request]  # requests whose last scheduled token is sampled
-    logits_indices: np.ndarray  # [len(sampling_requests)] int64
-    query_starts: dict[str, tuple[int, int, int]]  # req_id -> (row start, num tokens, position)
+class CachedRequestState:
+    """What a worker knows of one request (built from `NewRequestData`, then diffs)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    token_type_ids: list[int] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        if params is not None and params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
-def build_step_inputs(
-    scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager
-) -> StepInputs:
-    num_sched = scheduler_output.num_scheduled_tokens
-    computed = scheduler_output.num_computed_tokens
-    requests = sorted(
-        scheduler_output.scheduled_requests, key=lambda r: num_sched[r.request_id] != 1
-    )
-    num_reqs = len(requests)
-    query_lens = np.fromiter((num_sched[r.request_id] for r in requests), np.int64, num_reqs)
-    starts = np.fromiter((computed[r.request_id] for r in requests), np.int64, num_reqs)
-    seq_lens = starts + query_lens
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
+class InputBatch:
+    """Requests being run, one numpy row each; see the module docstring for the invariants."""
 
-    # positions: start of each request + offset within its query
-    req_index = np.repeat(np.arange(num_reqs), query_lens)
-    offsets = np.arange(num_tokens) - query_start_loc[req_index]
-    positions = starts[req_index] + offsets
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.requests: dict[str, CachedRequestState] = {}  # in the batch or preempted
+        self.req_ids: list[str] = []  # row -> request id
+        self.req_id_to_index: dict[str, int] = {}
+        self.states: list[CachedRequestState] = []
+        # np.zeros maps pages lazily: rows cost memory only as tokens are written.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Sampling parameters, one entry per row (neutral values for pooling requests).
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)  # 0 = greedy
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)  # vocab_size = disabled
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1 = none asked
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Rows whose request needs a per-request look when sampled (seed, sparse processors).
+        self.needs_visit = np.zeros(max_num_reqs, dtype=bool)
+        self._row_arrays = [
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.num_blocks,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.num_logprobs,
+            self.min_tokens,
+            self.needs_visit,
+        ]
 
-    token_chunks = []
-    for r, start, n in zip(requests, starts.tolist(), query_lens.tolist()):
-        token_chunks.append(r.all_token_ids[start : start + n])
-    input_ids = np.fromiter(
-        (t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens
-    )
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
-    block_ids = [kv_cache_manager.get_block_ids(r.request_id) for r in requests]
-    max_blocks = max((len(b) for b in block_ids), default=1)
-    block_table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int64)
-    for i, ids in enumerate(block_ids):
-        block_table[i, : len(ids)] = ids
-    block_size = kv_cache_manager.block_size
-    slot_mapping = (
-        block_table[req_index, positions // block_size] * block_size + positions % block_size
-    )
+    # ------------------------------------------------------------ membership
+    def add_request(self, state: CachedRequestState) -> int:
+        """Append the request as the last row; returns the row."""
+        row = len(self.req_ids)
+        assert row < self.max_num_reqs, "more requests than max_num_seqs"
+        assert state.req_id not in self.req_id_to_index, state.req_id
+        self.req_ids.append(state.req_id)
+        self.states.append(state)
+        self.req_id_to_index[state.req_id] = row
+        tokens = state.prompt_token_ids + state.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = state.num_prompt_tokens
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.block_table[row, : len(state.block_ids)] = state.block_ids
+        self.num_blocks[row] = len(state.block_ids)
+        self._write_sampling_params(row, state.sampling_params)
+        return row
 
-    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_reqs
-    sampling = [
-        i
-        for i, r in enumerate(requests)
-        if seq_lens[i] == r.num_tokens and r.sampling_params is not None
-    ]
-    token_type_ids = None
-    if any(r.token_type_ids is not None for r in requests):
-        token_type_ids = np.fromiter(
-            (
-                t
-                for r, start, n in zip(requests, starts.tolist(), query_lens.tolist())
-                for t in (r.token_type_ids or [0] * r.num_tokens)[start : start + n]
-            ),
-            dtype=np.int64,
-            count=num_tokens,
+    def _write_sampling_params(self, row: int, p: SamplingParams | None) -> None:
+        if p is None:  # pooling: neutral values, never sampled
+            p = SamplingParams(temperature=0.0)
+        greedy = p.temperature < _SAMPLING_EPS
+        self.temperature[row] = 0.0 if greedy else p.temperature
+        self.top_k[row] = p.top_k if p.top_k > 0 else self.vocab_size
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        if p.logprobs is None:
+            self.num_logprobs[row] = -1
+        else:
+            self.num_logprobs[row] = self.vocab_size if p.logprobs == -1 else p.logprobs
+        self.min_tokens[row] = p.min_tokens
+        self.needs_visit[row] = bool(
+            p.seed is not None
+            or p.allowed_token_ids
+            or p.bad_words_token_ids
+            or p.logit_bias
+            or p.min_tokens
         )
-    return StepInputs(
-        requests=requests,
-        input_ids=input_ids,
-        positions=positions,
-        token_type_ids=token_type_ids,
-        attn=CommonAttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            num_decodes=num_decodes,
-        ),
-        sampling_requests=[requests[i] for i in sampling],
-        logits_indices=query_start_loc[1:][sampling] - 1,
-        query_starts={
-            r.request_id: (int(query_start_loc[i]), int(query_lens[i]), int(starts[i]))
-            for i, r in enumerate(requests)
-        },
-    )
+
+    def remove_request(self, req_id: str) -> None:
+        """Drop the request's row; the last row moves into the hole (rows stay dense)."""
+        row = self.req_id_to_index.pop(req_id)
+        last = len(self.req_ids) - 1
+        if row != last:
+            moved = self.req_ids[last]
+            n = int(self.num_tokens[last])
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            nb = int(self.num_blocks[last])
+            self.block_table[row, :nb] = self.block_table[last, :nb]
+            for array in self._row_arrays:
+                array[row] = array[last]
+            self.req_ids[row] = moved
+            self.states[row] = self.states[last]
+            self.req_id_to_index[moved] = row
+        self.req_ids.pop()
+        self.states.pop()
+
+    # ---------------------------------------------------------------- diffs
+    def apply(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diff: drop finished and preempted rows, add new and resumed
+        requests, append new tokens and blocks, record each row's computed-token count."""
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            if req_id in self.req_id_to_index:
+                self.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            if req_id in self.req_id_to_index:
+                self.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=new.sampling_params,
+                pooling_params=new.pooling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                token_type_ids=new.token_type_ids,
+            )
+            self.requests[new.req_id] = state
+            self.add_request(state)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            new_tokens, new_blocks = cached.new_token_ids[i], cached.new_block_ids[i]
+            state.output_token_ids.extend(new_tokens)
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(new_blocks)
+                self.add_request(state)
+                continue
+            state.block_ids.extend(new_blocks)
+            row = self.req_id_to_index[req_id]
+            if new_tokens:
+                self.append_token_ids(row, new_tokens)
+            if new_blocks:
+                self.append_block_ids(row, new_blocks)
+        for req_id, n in so.num_computed_tokens.items():
+            self.num_computed_tokens[self.req_id_to_index[req_id]] = n
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # drafts sit after the last token for this step only (num_tokens excludes them)
+            row = self.req_id_to_index[req_id]
+            start = int(self.num_tokens[row])
+            self.token_ids[row, start : start + len(drafts)] = drafts
+
+    def append_token_ids(self, row: int, token_ids: list[int]) -> None:
+        start = int(self.num_tokens[row])
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    # ------------------------------------------------------------- queries
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        return np.fromiter(
+            (self.req_id_to_index[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+
+    def output_token_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
+
+    def prompt_token_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, : self.num_prompt_tokens[row]].tolist()

@@ -1,26 +1,35 @@
-"""ModelRunner: owns the model, the KV cache tensors and the sampler; runs one step.
+"""ModelRunner: owns the model (this rank's shard), the KV cache tensors, the persistent batch
+and the sampler; applies each SchedulerOutput diff to its batch and runs one step.
 
 Logits are computed only for rows that are sampled, and for prompt rows of requests that
-asked for prompt logprobs.
+asked for prompt logprobs. Under tensor parallelism every rank runs the same forward and the
+same `compute_logits` calls (they are collectives); only the first rank gets whole logits,
+samples and pools, and its output is the step's output.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from pagedlm.attention.backend import get_attn_backend
+from pagedlm.attention.kv_cache_dtype import kv_cache_torch_dtype
 from pagedlm.config import VllmConfig
-from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.kv_cache_manager import cdiv
 from pagedlm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedlm.distributed import get_tp_group
 from pagedlm.forward_context import set_forward_context
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.model_loader.loader import get_model
-from pagedlm.platforms import current_platform
-from pagedlm.worker.input_batch import StepInputs, build_step_inputs
+from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
+from pagedlm.spec_decode.rejection_sampler import verify_greedy, verify_random
+from pagedlm.structured_output.bitmask import grammar_rows
+from pagedlm.worker.input_batch import CachedRequestState, InputBatch
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
+from pagedlm.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +37,11 @@ _PROMPT_LOGPROBS_CHUNK = 256  # rows of [chunk, vocab] fp32 logits at a time
 
 
 class ModelRunner:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
-        self.device = current_platform.device
-        current_platform.setup_threads()
+        self.device = device
+        self.is_driver = get_tp_group().is_first_rank
         self.model = get_model(self.model_config, self.device)
         self.attn_layers = [
             m for m in self.model.modules() if isinstance(m, Attention) and m.attn_type == "decoder"
@@ -41,10 +50,27 @@ class ModelRunner:
         Attention.backend = self.attn_backend
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.block_size = vllm_config.cache_config.block_size
+        self.input_batch = self._new_input_batch()
+        spec = vllm_config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+
+    def _new_input_batch(self) -> InputBatch:
+        max_len = self.model_config.max_model_len
+        return InputBatch(
+            max_num_reqs=self.vllm_config.scheduler_config.max_num_seqs,
+            max_model_len=max_len,
+            max_num_blocks_per_req=cdiv(max_len, self.block_size),
+            vocab_size=self.model_config.vocab_size,
+        )
 
     # ---------------------------------------------------------------- KV cache
+    def _kv_cache_dtype(self) -> torch.dtype:
+        kv_cache_dtype = self.vllm_config.cache_config.kv_cache_dtype
+        return kv_cache_torch_dtype(kv_cache_dtype, self.model_config.dtype)
+
     def get_kv_cache_bytes_per_block(self, block_size: int) -> int:
-        itemsize = torch.empty(0, dtype=self.model_config.dtype).element_size()
+        itemsize = self._kv_cache_dtype().itemsize
         return sum(
             2 * block_size * layer.num_kv_heads * layer.head_size * itemsize
             for layer in self.attn_layers
@@ -56,19 +82,26 @@ class ModelRunner:
         Zeroed (not empty) because padded attention reads unwritten slots under a mask, and
         0 * NaN would poison the output; pages are mapped lazily, as blocks are first used.
         """
+        from pagedlm.platforms import current_platform
+
+        self.block_size = block_size
+        self.input_batch = self._new_input_batch()
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-            cache = current_platform.zeros_lazy(shape, self.model_config.dtype)
+            cache = current_platform.zeros_lazy(shape, self._kv_cache_dtype())
             layer.kv_cache = cache
+            layer.calculate_kv_scales = self.vllm_config.cache_config.calculate_kv_scales
             self.kv_caches.append(cache)
 
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager
-    ) -> ModelRunnerOutput:
-        inputs = build_step_inputs(scheduler_output, kv_cache_manager)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.apply(scheduler_output)
+        output = ModelRunnerOutput()
+        if not scheduler_output.scheduled_req_ids:
+            return output
+        inputs = build_step_inputs(self.input_batch, scheduler_output, self.block_size)
         device = self.device
         input_ids = torch.from_numpy(inputs.input_ids).to(device)
         positions = torch.from_numpy(inputs.positions).to(device)
@@ -80,72 +113,157 @@ class ModelRunner:
         with set_forward_context(attn_metadata):
             hidden_states = self.model(input_ids, positions, **kwargs)
 
-        output = ModelRunnerOutput()
         self._prompt_logprobs(inputs, hidden_states, output)
-        self._pool(inputs, hidden_states, output)
-        if not inputs.sampling_requests:
+        if self.is_driver:
+            self._pool(inputs, hidden_states, output)
+        if not inputs.sampling_states:
             return output
         logits_indices = torch.from_numpy(inputs.logits_indices).to(device)
         logits = self.model.compute_logits(hidden_states[logits_indices])
+        if logits is None:  # not the first tensor-parallel rank
+            return output
+        if (inputs.num_logits > 1).any():
+            self._sample_with_drafts(inputs, logits, scheduler_output, output)
+        else:
+            self._sample(inputs, logits, output, scheduler_output)
+        if self.proposer is not None:
+            self._propose(inputs, output)
+        return output
+
+    def _sample(
+        self,
+        inputs: StepInputs,
+        logits: torch.Tensor,
+        output: ModelRunnerOutput,
+        scheduler_output: SchedulerOutput,
+    ) -> None:
         metadata = build_sampling_metadata(
-            inputs.sampling_requests,
-            self.model_config.vocab_size,
-            device,
+            self.input_batch,
+            inputs.sampling_rows,
+            inputs.sampling_states,
+            self.device,
             self.model_config.logprobs_mode,
         )
+        grammar = grammar_rows(  # structured outputs
+            scheduler_output.grammar_output, [s.req_id for s in inputs.sampling_states]
+        )
+        if grammar is not None:
+            metadata.grammar_rows, metadata.grammar_bitmask = grammar
+        metadata.return_sampling_mask = self.model_config.return_sampling_mask
         sampler_output = self.sampler(logits, metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         lists = sampler_output.logprobs
-        for i, request in enumerate(inputs.sampling_requests):
-            rid = request.request_id
-            output.sampled_token_ids[rid] = [sampled[i]]
-            params = request.sampling_params
-            if lists is not None and params is not None and params.logprobs is not None:
-                k = params.logprobs if params.logprobs != -1 else self.model_config.vocab_size
-                output.logprobs[rid] = LogprobsLists(
+        for i, state in enumerate(inputs.sampling_states):
+            output.sampled_token_ids[state.req_id] = [sampled[i]]
+            if sampler_output.sampling_mask is not None:
+                output.sampling_mask[state.req_id] = [sampler_output.sampling_mask[i]]
+            k = self._num_logprobs(state)
+            if lists is not None and k is not None:
+                output.logprobs[state.req_id] = LogprobsLists(
                     [lists.logprob_token_ids[i][: k + 1]],
                     [lists.logprobs[i][: k + 1]],
                     [lists.sampled_token_ranks[i]],
                 )
-        return output
+
+    def _num_logprobs(self, state: CachedRequestState) -> int | None:
+        params = state.sampling_params
+        if params is None or params.logprobs is None:
+            return None
+        return params.logprobs if params.logprobs != -1 else self.model_config.vocab_size
+
+    def _sample_with_drafts(
+        self,
+        inputs: StepInputs,
+        logits: torch.Tensor,  # [num_logits.sum(), vocab]: each request's rows in a run
+        so: SchedulerOutput,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Requests with drafts keep the accepted ones plus one target token (rejection
+        sampling); the others sample as usual. Each row is sampled with its request's params."""
+        counts = inputs.num_logits
+        states = [s for s, c in zip(inputs.sampling_states, counts.tolist()) for _ in range(c)]
+        rows = np.repeat(inputs.sampling_rows, counts)
+        mode = self.model_config.logprobs_mode
+        metadata = build_sampling_metadata(self.input_batch, rows, states, self.device, mode)
+        grammar = grammar_rows(so.grammar_output, [s.req_id for s in states])
+        if grammar is not None:  # grammar requests get no drafts: one row each
+            metadata.grammar_rows, metadata.grammar_bitmask = grammar
+        sampled = self.sampler(logits, metadata).sampled_token_ids.tolist()
+        probs = None
+        start = 0
+        for state, count in zip(inputs.sampling_states, counts.tolist()):
+            end = start + count
+            drafts = so.scheduled_spec_decode_tokens.get(state.req_id, [])
+            if count == 1:
+                tokens = [sampled[start]]
+            elif self.input_batch.temperature[self.input_batch.req_id_to_index[state.req_id]] == 0:
+                tokens = verify_greedy(sampled[start:end], drafts)
+            else:
+                if probs is None:
+                    probs = self.sampler.target_probs(logits, metadata)
+                tokens = verify_random(probs[start:end], drafts, state.generator)
+            output.sampled_token_ids[state.req_id] = tokens
+            k = self._num_logprobs(state)
+            if k is not None:
+                raw = logits[start : start + len(tokens)].float()
+                raw = raw if mode == "raw_logits" else raw.log_softmax(-1)
+                output.logprobs[state.req_id] = gather_logprobs(raw, k, torch.tensor(tokens))
+            start = end
+
+    def _propose(self, inputs: StepInputs, output: ModelRunnerOutput) -> None:
+        """Drafts for the next step, from each request's tokens including this step's."""
+        if self.model_config.return_sampling_mask:  # masks are per sampled position
+            return
+        batch = self.input_batch
+        for row, state in zip(inputs.sampling_rows.tolist(), inputs.sampling_states):
+            new = output.sampled_token_ids.get(state.req_id)
+            if not new or not can_speculate(state):
+                continue
+            context = np.concatenate([batch.token_ids[row, : batch.num_tokens[row]], new])
+            drafts = self.proposer.propose(context)
+            if drafts:
+                output.spec_token_ids[state.req_id] = drafts
 
     def _pool(self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput):
         """Pooling requests are computed whole in one step: pool all their rows."""
-        for request in inputs.requests:
-            if request.pooling_params is None:
+        for state in inputs.states:
+            if state.pooling_params is None:
                 continue
-            start, num_rows, position = inputs.query_starts[request.request_id]
-            assert position == 0 and num_rows == request.num_tokens, "pooling needs whole prompts"
+            start, num_rows, position = inputs.query_starts[state.req_id]
+            assert position == 0 and num_rows == state.num_tokens, "pooling needs whole prompts"
             rows = hidden_states[start : start + num_rows]
-            output.pooler_output[request.request_id] = (
-                self.model.pooler(rows, request.pooling_params).float().cpu()
+            output.pooler_output[state.req_id] = (
+                self.model.pooler(rows, state.pooling_params).float().cpu()
             )
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput
     ) -> None:
         """Logprobs of prompt tokens 1..P-1 computed in this step's chunk of each request."""
-        for request in inputs.requests:
-            params = request.sampling_params
+        for state in inputs.states:
+            params = state.sampling_params
             if params is None or params.prompt_logprobs is None:
                 continue
-            row_start, num_rows, position = inputs.query_starts[request.request_id]
+            row_start, num_rows, position = inputs.query_starts[state.req_id]
             # a row at position p predicts prompt token p + 1
-            num_rows = min(num_rows, request.num_prompt_tokens - 1 - position)
+            num_rows = min(num_rows, state.num_prompt_tokens - 1 - position)
             if num_rows <= 0:
                 continue
             k = params.prompt_logprobs
             targets = torch.tensor(
-                request.prompt_token_ids[position + 1 : position + 1 + num_rows],
+                state.prompt_token_ids[position + 1 : position + 1 + num_rows],
                 device=hidden_states.device,
             )
             merged = LogprobsLists([], [], [])
             for s in range(0, num_rows, _PROMPT_LOGPROBS_CHUNK):
                 e = min(num_rows, s + _PROMPT_LOGPROBS_CHUNK)
                 logits = self.model.compute_logits(hidden_states[row_start + s : row_start + e])
+                if logits is None:  # not the first tensor-parallel rank
+                    continue
                 logprobs = logits.float().log_softmax(-1)
                 part = gather_logprobs(logprobs, k, targets[s:e])
                 merged.logprob_token_ids += part.logprob_token_ids
                 merged.logprobs += part.logprobs
                 merged.sampled_token_ranks += part.sampled_token_ranks
-            output.prompt_logprobs[request.request_id] = merged
+            if self.is_driver:
+                output.prompt_logprobs[state.req_id] = merged

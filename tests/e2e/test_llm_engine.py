@@ -158,8 +158,17 @@ def test_engine_args_cli_roundtrip() -> None:
         ea.enable_prefix_caching is False and ea.kv_cache_memory_bytes == 2**20
     )  # K/M/G binary, k/m/g decimal
     assert ea.seed == 3 and ea.override_generation_config == {"temperature": 0.5}
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        EngineArgs(model="m", tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
+        EngineArgs(model="m", pipeline_parallel_size=2)
+    for name, value in [
+        ("enforce_eager", False),
+        ("prefix_caching_hash_algo", "xxhash"),
+        ("async_scheduling", True),
+        ("distributed_executor_backend", "ray"),
+        ("compilation_config", {"level": 3}),
+    ]:  # accepted by vLLM, refused by name here (never silently ignored)
+        with pytest.raises(NotImplementedError, match=name):
+            EngineArgs(model="m", **{name: value})
 
 
 def test_llm_engine_example_runs(tiny_qwen2) -> None:

@@ -10,11 +10,10 @@ import torch
 
 from pagedlm.attention.backend import CommonAttentionMetadata
 from pagedlm.attention.torch_sdpa import TorchSDPABackend
-from pagedlm.core.kv_cache_manager import KVCacheManager
-from pagedlm.core.request import Request
-from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedlm.sampling_params import SamplingParams
-from pagedlm.worker.input_batch import build_step_inputs
+from pagedlm.worker.input_batch import InputBatch
+from pagedlm.worker.step_inputs import build_step_inputs
 
 HEAD_SIZE = 8
 ATOL = RTOL = 1e-5
@@ -103,17 +102,22 @@ def run_case(
         key = torch.cat([key, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
         value = torch.cat([value, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
 
-    backend = TorchSDPABackend()
-    metadata = backend.build(common, torch.device("cpu"))
-    scale = HEAD_SIZE**-0.5
-    out = backend.forward(query, key, value, kv_cache, metadata, scale, window)
-    assert out.shape == query.shape
-
     expected = torch.cat(
-        [reference_attention(q, k, v, scale, window) for q, k, v in zip(queries, full_k, full_v)]
+        [
+            reference_attention(q, k, v, HEAD_SIZE**-0.5, window)
+            for q, k, v in zip(queries, full_k, full_v)
+        ]
     )
     num_tokens = int(query_start_loc[-1])
-    torch.testing.assert_close(out[:num_tokens], expected, atol=ATOL, rtol=RTOL)
+    # the PyTorch path, then the C kernels (when built) on a fresh copy of the cache
+    cache_before_step = kv_cache.clone()
+    for use_c_kernel in (False, None):
+        kv_cache.copy_(cache_before_step)
+        backend = TorchSDPABackend(use_c_kernel=use_c_kernel)
+        metadata = backend.build(common, torch.device("cpu"))
+        out = backend.forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5, window)
+        assert out.shape == query.shape
+        torch.testing.assert_close(out[:num_tokens], expected, atol=ATOL, rtol=RTOL)
 
     # The new keys/values landed at their slots; nothing else in the cache changed.
     flat = kv_cache.view(2, -1, num_kv_heads, HEAD_SIZE)
@@ -179,35 +183,47 @@ def test_padded_input_rows_are_ignored() -> None:
 # ------------------------------------------------------------------- step inputs
 
 
-def _request(request_id: str, num_tokens: int, block_size: int) -> Request:
-    return Request(
-        request_id,
-        [1000 * (ord(request_id) - ord("a") + 1) + i for i in range(num_tokens)],
-        SamplingParams(max_tokens=4),
-        max_tokens=4,
-        block_size=block_size,
+def _tokens(request_id: str, num_tokens: int) -> list[int]:
+    return [1000 * (ord(request_id) - ord("a") + 1) + i for i in range(num_tokens)]
+
+
+def _batch(max_blocks: int = 8) -> InputBatch:
+    return InputBatch(
+        max_num_reqs=8, max_model_len=64, max_num_blocks_per_req=max_blocks, vocab_size=10_000
+    )
+
+
+def _new(request_id: str, num_tokens: int, block_ids: list[int], computed: int):
+    return NewRequestData(
+        req_id=request_id,
+        prompt_token_ids=_tokens(request_id, num_tokens),
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        block_ids=block_ids,
+        num_computed_tokens=computed,
     )
 
 
 def test_build_step_inputs_order_and_slot_mapping() -> None:
     bs = 4
-    kv = KVCacheManager(num_blocks=16, block_size=bs, enable_caching=False)
-    pool = kv.block_pool.blocks
-    a = _request("a", 6, bs)  # prefill of its 6-token prompt
-    b = _request("b", 10, bs)  # decode: 9 computed, 1 new
-    c = _request("c", 10, bs)  # chunk 4..6 (3 tokens) of a 10-token prompt: no sample
-    d = _request("d", 5, bs)  # decode: 4 computed, 1 new (first slot of a new block)
-    tables = {"a": [7, 2], "b": [3, 9, 11], "c": [0, 5], "d": [14, 6]}
-    for rid, block_ids in tables.items():
-        kv.req_to_blocks[rid] = [pool[i] for i in block_ids]
+    batch = _batch()
+    num_sched = {"a": 6, "b": 1, "c": 3, "d": 1}
+    computed = {"a": 0, "b": 9, "c": 4, "d": 4}
     so = SchedulerOutput(
-        scheduled_requests=[a, b, c, d],
-        num_scheduled_tokens={"a": 6, "b": 1, "c": 3, "d": 1},
-        num_computed_tokens={"a": 0, "b": 9, "c": 4, "d": 4},
+        scheduled_new_reqs=[
+            _new("a", 6, [7, 2], 0),  # prefill of its 6-token prompt
+            _new("b", 10, [3, 9, 11], 9),  # decode: 9 computed, 1 new
+            _new("c", 10, [0, 5], 4),  # chunk 4..6 (3 tokens) of a 10-token prompt: no sample
+            _new("d", 5, [14, 6], 4),  # decode: 4 computed, 1 new (first slot of a new block)
+        ],
+        scheduled_req_ids=["a", "b", "c", "d"],
+        num_scheduled_tokens=num_sched,
+        num_computed_tokens=computed,
     )
-    inputs = build_step_inputs(so, kv)
+    batch.apply(so)
+    inputs = build_step_inputs(batch, so, bs)
 
-    assert [r.request_id for r in inputs.requests] == ["b", "d", "a", "c"]
+    assert [s.req_id for s in inputs.states] == ["b", "d", "a", "c"]
     attn = inputs.attn
     assert attn.num_decodes == 2
     assert attn.query_start_loc.tolist() == [0, 1, 2, 8, 11]
@@ -227,7 +243,8 @@ def test_build_step_inputs_order_and_slot_mapping() -> None:
     # a pos 0..3 -> block 7 -> 28..31, pos 4, 5 -> block 2 -> 8, 9;
     # c pos 4, 5, 6 -> block 5 -> 20, 21, 22.
     assert attn.slot_mapping.tolist() == [45, 24, 28, 29, 30, 31, 8, 9, 20, 21, 22]
-    assert [r.request_id for r in inputs.sampling_requests] == ["b", "d", "a"]
+    assert [s.req_id for s in inputs.sampling_states] == ["b", "d", "a"]
+    assert [batch.req_ids[r] for r in inputs.sampling_rows] == ["b", "d", "a"]
     assert inputs.logits_indices.tolist() == [0, 1, 7]
     assert inputs.query_starts == {"b": (0, 1, 9), "d": (1, 1, 4), "a": (2, 6, 0), "c": (8, 3, 4)}
     for arr in (attn.query_start_loc, attn.seq_lens, attn.block_table, attn.slot_mapping):
@@ -237,16 +254,13 @@ def test_build_step_inputs_order_and_slot_mapping() -> None:
 def test_build_step_inputs_feeds_the_backend() -> None:
     """The builder's metadata and a cache filled through it match the dense reference."""
     bs, heads, kv_heads = 2, 4, 2
-    kv = KVCacheManager(num_blocks=12, block_size=bs, enable_caching=False)
-    pool = kv.block_pool.blocks
-    reqs = [_request("a", 5, bs), _request("b", 3, bs), _request("c", 4, bs)]
+    lengths = {"a": 5, "b": 3, "c": 4}
     tables = {"a": [4, 0, 9], "b": [7, 1], "c": [11, 3]}
-    for rid, block_ids in tables.items():
-        kv.req_to_blocks[rid] = [pool[i] for i in block_ids]
+    batch = _batch()
     gen = torch.Generator().manual_seed(5)
     full = {
-        r.request_id: [torch.randn(r.num_tokens, kv_heads, HEAD_SIZE, generator=gen) for _ in "kv"]
-        for r in reqs
+        rid: [torch.randn(n, kv_heads, HEAD_SIZE, generator=gen) for _ in "kv"]
+        for rid, n in lengths.items()
     }
     kv_cache = torch.zeros(2, 12, bs, kv_heads, HEAD_SIZE)
     backend = TorchSDPABackend()
@@ -259,12 +273,18 @@ def test_build_step_inputs_feeds_the_backend() -> None:
     scale = HEAD_SIZE**-0.5
     for num_sched, computed in plan:
         so = SchedulerOutput(
-            scheduled_requests=[r for r in reqs if r.request_id in num_sched],
+            scheduled_new_reqs=[
+                _new(rid, lengths[rid], tables[rid], 0)
+                for rid in num_sched
+                if rid not in batch.requests
+            ],
+            scheduled_req_ids=list(num_sched),
             num_scheduled_tokens=num_sched,
             num_computed_tokens=computed,
         )
-        inputs = build_step_inputs(so, kv)
-        order = [r.request_id for r in inputs.requests]
+        batch.apply(so)
+        inputs = build_step_inputs(batch, so, bs)
+        order = [s.req_id for s in inputs.states]
         new = {rid: slice(computed[rid], computed[rid] + num_sched[rid]) for rid in order}
         key = torch.cat([full[rid][0][new[rid]] for rid in order])
         value = torch.cat([full[rid][1][new[rid]] for rid in order])
@@ -302,7 +322,8 @@ def test_c_decode_kernel_matches_torch_path(dtype, window, d, heads, block_size)
     Head size 16 takes the portable C loop; 64, 128 and 256 the AVX-512 one, and with bf16,
     at most 16 heads per kv head and blocks of 16k slots, AMX scores, where compiled in.
     """
-    from pagedlm.kernels.cpu import cpu_kernels, paged_decode_attention
+    from pagedlm.kernels.cpu import cpu_kernels
+    from pagedlm.kernels.cpu_attention import paged_decode_attention
 
     kernel = cpu_kernels()
     if kernel is None:

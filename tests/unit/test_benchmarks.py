@@ -39,3 +39,15 @@ def test_workloads_are_reproducible(throughput, workload) -> None:
     first = throughput.make_requests(args, vocab=5000)
     assert first == throughput.make_requests(args, vocab=5000) and len(first) == 8
     assert all(1000 <= t < 4000 for prompt, _ in first for t in prompt)
+
+
+@pytest.mark.parametrize(
+    ("workload", "shape"), [("long", (8, 4096, 64)), ("long-single", (1, 16000, 32))]
+)
+def test_long_workloads_fix_their_lengths(throughput, workload, shape) -> None:
+    args = argparse.Namespace(
+        workload=workload, seed=0, num_prompts=64, input_len=16, output_len=4, prefix_len=32
+    )
+    requests = throughput.make_requests(args, vocab=5000)
+    assert len(requests) == shape[0]
+    assert all(len(p) == shape[1] and n == shape[2] for p, n in requests)

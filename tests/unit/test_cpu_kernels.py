@@ -1,5 +1,6 @@
 """The C kernels against their PyTorch paths or fp32 references: greedy argmax, RMSNorm,
-SiLU-and-mul, RoPE and the small-batch AMX linear (decode attention: test_attention.py)."""
+SiLU-and-mul, RoPE and the small-batch linears: AMX, AVX-512 BF16 and portable (decode
+attention: test_attention.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from pagedlm.kernels.cpu import (
     SMALL_BATCH_ROWS,
     argmax_rows,
+    block_small_batch_weight,
     cpu_kernels,
     small_batch_linear,
     small_batch_linear_supported,
@@ -118,24 +120,70 @@ def test_rotary_kernel_matches_torch(monkeypatch, dtype, rotary_dim) -> None:
     _close(got[1], want[1])
 
 
-needs_amx = pytest.mark.skipif(
-    not small_batch_linear_supported(), reason="no AMX here: oneDNN serves small batches"
+needs_fast_linear = pytest.mark.skipif(
+    not small_batch_linear_supported(), reason="no AMX/AVX-512 BF16 here: oneDNN serves them"
+)
+needs_avx512_bf16 = pytest.mark.skipif(
+    lib is None or not lib.gemv_bf16_avx512_compiled(), reason="no AVX-512 BF16 here"
 )
 
 
-@needs_amx
+def _linear_case(rows: int, n: int, k: int, with_bias: bool):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    return x, w, b, want
+
+
+def _within_one_bf16_step(got: torch.Tensor | None, want: torch.Tensor) -> None:
+    """fp32 sums in another order, one rounding to bf16: within one bf16 step of fp32."""
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-8)
+
+
+@needs_fast_linear
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 48, 49, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_linear_matches_fp32_reference(rows, with_bias) -> None:
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=gen).bfloat16()
-    w = torch.randn(48, 96, generator=gen).bfloat16()
-    b = torch.randn(48, generator=gen).bfloat16() if with_bias else None
-    got = small_batch_linear(x, w, b)
-    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, 48)
-    # fp32 sums in another order, one rounding to bf16: within one bf16 step of the reference
-    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-8)
+    """The fastest path here, on the layout the platform keeps for it."""
+    from pagedlm.platforms.cpu import CpuPlatform
+
+    x, w, b, want = _linear_case(rows, 48, 96, with_bias)
+    small = CpuPlatform().small_batch_weight(w)
+    assert small is not None
+    _within_one_bf16_step(small_batch_linear(x, small, b), want)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 64])
+@pytest.mark.parametrize("shape", [(16, 2), (48, 96), (80, 34), (96, 896)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_blocked_avx512_bf16_linear(rows, shape, with_bias) -> None:
+    """Blocked layout [N/16, K/2, 16, 2]: block groups of 4 and 2 with remainders, 1-8 rows
+    per pass, K not a multiple of the 32-wide dense step."""
+    x, w, b, want = _linear_case(rows, *shape, with_bias)
+    blocked = block_small_batch_weight(w)
+    assert blocked is not None and blocked.shape == (shape[0] // 16, shape[1] // 2, 16, 2)
+    _within_one_bf16_step(small_batch_linear(x, blocked, b), want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ["avx512_bf16", "portable"])
+@pytest.mark.parametrize("shape", [(1, 37, 100), (3, 96, 896), (16, 130, 64), (5, 8, 33)])
+def test_dense_small_batch_linear_paths(isa, shape) -> None:
+    """The dense-weight loops (tied LM heads; CPUs without AMX/AVX-512 BF16): any N and K."""
+    if isa == "avx512_bf16" and not lib.gemv_bf16_avx512_compiled():
+        pytest.skip("no AVX-512 BF16 here")
+    x, w, b, want = _linear_case(*shape, with_bias=True)
+    _within_one_bf16_step(small_batch_linear(x, w, b, isa=isa), want)
+
+
+def test_blocked_layout_needs_whole_blocks() -> None:
+    assert block_small_batch_weight(torch.zeros(40, 64, dtype=torch.bfloat16)) is None
+    assert block_small_batch_weight(torch.zeros(48, 63, dtype=torch.bfloat16)) is None
+    assert block_small_batch_weight(torch.zeros(48, 64)) is None  # fp32
 
 
 def test_small_batch_linear_declines_what_it_does_not_cover() -> None:
@@ -144,21 +192,56 @@ def test_small_batch_linear_declines_what_it_does_not_cover() -> None:
 
     x = w(4, 96)
     assert small_batch_linear(w(SMALL_BATCH_ROWS + 1, 96), w(48, 96), None) is None  # rows
-    assert small_batch_linear(x, w(40, 96), None) is None  # N % 16
-    assert small_batch_linear(w(4, 80), w(48, 80), None) is None  # K % 32
     assert small_batch_linear(x.float(), w(48, 96).float(), None) is None  # fp32
 
 
-def test_dense_weight_copy_only_while_ram_allows(monkeypatch) -> None:
-    """The dense bf16 copy next to the prepacked one needs AMX and room: a model that would
-    take RAM past the limit keeps the prepacked layout alone."""
+def test_small_batch_copy_only_while_ram_allows(monkeypatch) -> None:
+    """The small-batch copy next to the prepacked one needs a fast kernel and room: a model
+    that would take RAM past the limit keeps the prepacked layout alone."""
     from types import SimpleNamespace
 
+    from pagedlm.kernels.cpu import small_batch_linear_isa
     from pagedlm.platforms.cpu import CpuPlatform
 
     platform = CpuPlatform()
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
-    assert not platform.reads_dense_weight(w.float())
-    assert platform.reads_dense_weight(w) == small_batch_linear_supported()
+    assert platform.small_batch_weight(w.float()) is None
+    assert (platform.small_batch_weight(w) is not None) == small_batch_linear_supported()
+    assert platform.reads_dense_weight(w) == (small_batch_linear_isa() == "amx")
     monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(total=1 << 20))
+    assert platform.small_batch_weight(w) is None
     assert not platform.reads_dense_weight(w)
+
+
+@needs_kernels
+def test_wrappers_reject_tensors_the_c_code_would_misread() -> None:
+    """dtype, shape and layout of every pointer argument are checked before the call."""
+    from pagedlm.kernels.cpu import rms_norm, rotary_embedding
+    from pagedlm.kernels.cpu_attention import paged_decode_attention
+
+    q = torch.randn(2, 4, 64)
+    cache = torch.randn(3, 16, 2, 64)
+    table = torch.zeros(2, 3, dtype=torch.int64)
+    lens = torch.tensor([5, 7])
+    with pytest.raises(TypeError, match="block_table must be a 2-D int64"):
+        paged_decode_attention(lib, q, cache, cache, table.int(), lens, 0.1, None)
+    with pytest.raises(ValueError, match="seq_lens must be a contiguous int64"):
+        paged_decode_attention(lib, q, cache, cache, table, lens.int(), 0.1, None)
+    with pytest.raises(TypeError, match="unsupported KV cache dtypes"):
+        paged_decode_attention(lib, q, cache.bfloat16(), cache, table, lens, 0.1, None)
+    with pytest.raises(ValueError, match="one seq_lens entry"):
+        paged_decode_attention(lib, q, cache, cache, table, lens[:1], 0.1, None)
+    x = torch.randn(3, 32)
+    with pytest.raises(TypeError, match="weight must be torch.float32"):
+        rms_norm(lib, x, None, torch.ones(32).bfloat16(), 1e-6, 0.0)
+    with pytest.raises(ValueError, match="weight has shape"):
+        rms_norm(lib, x, None, torch.ones(16), 1e-6, 0.0)
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        rms_norm(lib, x, torch.randn(32, 3).t(), torch.ones(32), 1e-6, 0.0)
+    cos = torch.randn(10, 8)
+    with pytest.raises(TypeError, match="positions must be torch.int64"):
+        rotary_embedding(lib, torch.zeros(3, dtype=torch.int32), x, x, cos, cos, 8)
+    with pytest.raises(TypeError, match="argmax_rows: logits must be"):
+        argmax_rows(lib, torch.zeros(2, 5, dtype=torch.float16))
+    with pytest.raises(ValueError, match="weight has shape"):
+        small_batch_linear(torch.randn(2, 32).bfloat16(), torch.randn(8, 16).bfloat16(), None)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from pagedlm.core.request import Request
 from pagedlm.layers.sampler import (
     Sampler,
     SamplingMetadata,
@@ -17,6 +17,7 @@ from pagedlm.layers.sampler import (
     gather_logprobs,
 )
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.worker.input_batch import CachedRequestState, InputBatch
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
 
 try:  # pragma: no cover - depends on the environment
@@ -47,21 +48,26 @@ def make_request(
     output: list[int] | tuple[int, ...] = (),
     eos_token_id: int | None = None,
     request_id: str = "r",
-) -> Request:
-    request = Request(
-        request_id,
-        list(prompt),
-        params,
-        max_tokens=params.max_tokens or 16,
-        eos_token_id=eos_token_id,
+) -> CachedRequestState:
+    """A worker-side request state, as the persistent batch holds it."""
+    if eos_token_id is not None:
+        params.update_from_generation_config({}, eos_token_id)
+    return CachedRequestState(
+        req_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=params,
+        pooling_params=None,
+        block_ids=[],
+        num_computed_tokens=0,
+        output_token_ids=list(output),
     )
-    if output:
-        request.append_output_token_ids(list(output))
-    return request
 
 
-def build(requests: list[Request], vocab_size: int, mode: str = "raw_logprobs"):
-    return build_sampling_metadata(requests, vocab_size, CPU, mode)
+def build(states: list[CachedRequestState], vocab_size: int, mode: str = "raw_logprobs"):
+    """Metadata through the real path: the states join a persistent batch, rows are sliced."""
+    batch = InputBatch(len(states), 256, 1, vocab_size)
+    rows = np.array([batch.add_request(s) for s in states], dtype=np.int64)
+    return build_sampling_metadata(batch, rows, states, CPU, mode)
 
 
 def replicate(md: SamplingMetadata, n: int) -> SamplingMetadata:
@@ -381,7 +387,7 @@ def _seeded_sequence(seed: int, with_companions: bool, global_seed: int, steps: 
     vocab = 24
     torch.manual_seed(global_seed)
     target = make_request(SamplingParams(temperature=1.0, seed=seed, max_tokens=64), request_id="t")
-    companions: list[Request] = []
+    companions: list[CachedRequestState] = []
     if with_companions:
         companions = [
             make_request(SamplingParams(temperature=1.0), request_id="a"),
@@ -400,7 +406,7 @@ def _seeded_sequence(seed: int, with_companions: bool, global_seed: int, steps: 
         logits[position] = _step_logits(step, vocab)
         sampled = Sampler()(logits, build(rows, vocab)).sampled_token_ids.tolist()
         for request, token in zip(rows, sampled):
-            request.append_output_token_ids([token])
+            request.output_token_ids.append(token)
         tokens.append(sampled[position])
     return tokens
 
@@ -513,7 +519,7 @@ def test_penalties_follow_output_growth() -> None:
     for step in range(3):
         out = Sampler.apply_penalties(logits, build([request], 4))
         assert out[0, 3].item() == -float(step)
-        request.append_output_token_ids([3])
+        request.output_token_ids.append(3)
 
 
 # --------------------------------------------------------------------------- logits processors
@@ -636,7 +642,7 @@ def test_min_tokens_mask_lifts_as_output_grows() -> None:
     for _ in range(3):
         token = Sampler()(logits, build([request], 5)).sampled_token_ids.item()
         sampled.append(token)
-        request.append_output_token_ids([token])
+        request.output_token_ids.append(token)
     assert 2 not in sampled[:2]
     assert sampled[2] == 2
 

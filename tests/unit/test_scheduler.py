@@ -8,6 +8,7 @@ step; the token is a deterministic function of the request's whole token list, s
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,11 +27,11 @@ def fake_token(token_ids: list[int]) -> int:
 
 
 def fake_runner(
-    so: SchedulerOutput, token_fn: Callable[[list[int]], int] = fake_token
+    sched: Scheduler, so: SchedulerOutput, token_fn: Callable[[list[int]], int] = fake_token
 ) -> ModelRunnerOutput:
     sampled: dict[str, list[int]] = {}
-    for request in so.scheduled_requests:
-        rid = request.request_id
+    for rid in so.scheduled_req_ids:
+        request = sched.requests[rid]
         if so.num_computed_tokens[rid] + so.num_scheduled_tokens[rid] == request.num_tokens:
             sampled[rid] = [token_fn(request.all_token_ids)]
     return ModelRunnerOutput(sampled_token_ids=sampled)
@@ -95,14 +96,15 @@ def step(sched: Scheduler, run: Run, token_fn: Callable[[list[int]], int] = fake
     had_work = sched.has_unfinished_requests()
     so = sched.schedule()
     # LLMEngine.step raises on an empty step while requests are unfinished.
-    assert so.scheduled_requests or not had_work, "empty step with unfinished requests"
+    assert so.scheduled_req_ids or not had_work, "empty step with unfinished requests"
     config = sched.config
     assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert len(sched.running) <= config.max_num_seqs
-    assert len(so.scheduled_requests) == len(so.num_scheduled_tokens)
+    assert len(so.scheduled_req_ids) == len(so.num_scheduled_tokens)
     assert all(n > 0 for n in so.num_scheduled_tokens.values())
-    requests = {r.request_id: r for r in so.scheduled_requests}
-    for out in sched.update_from_output(so, fake_runner(so, token_fn)):
+    check_worker_diff(sched, so)
+    requests = {rid: sched.requests[rid] for rid in so.scheduled_req_ids}
+    for out in sched.update_from_output(so, fake_runner(sched, so, token_fn)):
         run.core_outputs.append(out)
         if out.finished:
             run.outputs[out.request_id] = list(requests[out.request_id].output_token_ids)
@@ -111,6 +113,32 @@ def step(sched: Scheduler, run: Run, token_fn: Callable[[list[int]], int] = fake
     run.steps.append(so)
     sched.check_invariants()
     check_block_tables(sched)
+
+
+_WORKER_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_worker_diff(sched: Scheduler, so: SchedulerOutput) -> None:
+    """Replay the plain-data diff as a worker would: its view of every scheduled request
+    (tokens, blocks) must equal the scheduler's, and new requests are sent only once."""
+    view = _WORKER_VIEWS.setdefault(sched, {})
+    for rid in so.finished_req_ids:
+        view.pop(rid, None)
+    for new in so.scheduled_new_reqs:
+        assert new.req_id not in view, f"{new.req_id} sent as new twice"
+        view[new.req_id] = (list(new.prompt_token_ids), list(new.block_ids))
+    cached = so.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        tokens, blocks = view[rid]
+        tokens.extend(cached.new_token_ids[i])
+        if cached.resumed_from_preemption[i]:
+            blocks[:] = cached.new_block_ids[i]
+        else:
+            blocks.extend(cached.new_block_ids[i])
+    for rid in so.scheduled_req_ids:
+        request = sched.requests[rid]
+        assert view[rid][0] == request.all_token_ids, rid
+        assert view[rid][1] == sched.kv_cache_manager.get_block_ids(rid), rid
 
 
 def check_block_tables(sched: Scheduler) -> None:
@@ -220,7 +248,7 @@ def test_decodes_and_prefills_share_steps() -> None:
     sched.add_request(make_request("b", list(range(30, 50)), max_tokens=2))
     step(sched, run)
     assert run.steps[-1].num_scheduled_tokens == {"a": 1, "b": 7}
-    assert [r.request_id for r in run.steps[-1].scheduled_requests] == ["a", "b"]
+    assert run.steps[-1].scheduled_req_ids == ["a", "b"]
     step(sched, run)
     assert run.steps[-1].num_scheduled_tokens == {"a": 1, "b": 7}
     step(sched, run)
@@ -246,7 +274,7 @@ def test_max_num_seqs_limits_running() -> None:
     sched = make_scheduler(max_num_seqs=2)
     reqs = [make_request(f"r{i}", [i + 1] * 3, max_tokens=3) for i in range(5)]
     run = run_to_completion(sched, reqs)
-    assert max(len(so.scheduled_requests) for so in run.steps) == 2
+    assert max(len(so.scheduled_req_ids) for so in run.steps) == 2
     assert run.steps[0].num_scheduled_tokens == {"r0": 3, "r1": 3}
     assert run.finish_order == ["r0", "r1", "r2", "r3", "r4"]
     assert run.outputs == reference_outputs(reqs)
@@ -384,7 +412,7 @@ def test_priority_victim_already_scheduled_this_step_is_unscheduled() -> None:
     so = run.steps[-1]
     assert so.preempted_req_ids == {"lo"}
     assert so.num_scheduled_tokens == {"hi": 1}
-    assert so.scheduled_requests == [hi] and so.num_computed_tokens == {"hi": 2}
+    assert so.scheduled_req_ids == ["hi"] and so.num_computed_tokens == {"hi": 2}
     assert lo.status == RequestStatus.PREEMPTED and lo.num_computed_tokens == 0
     assert sched.kv_cache_manager.get_block_ids("lo") == []
     # lo's uncached tail block (3) went to the front of the free queue: hi gets it.
@@ -434,7 +462,7 @@ def test_abort_waiting_and_running_frees_blocks() -> None:
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 8
     sched.check_invariants()
     so = sched.schedule()
-    assert so.finished_req_ids == {"a", "b"} and so.scheduled_requests == []
+    assert so.finished_req_ids == {"a", "b"} and so.scheduled_req_ids == []
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # already gone: no-op
 
 

@@ -4,7 +4,8 @@
 PreparedRequest (prompt, params, and how to turn the finished RequestOutput into the response
 body) or raises RequestError, whose message goes into the line's error record. Unknown body fields
 are ignored (`model` is informational); known ones we cannot honour (stream, echo, suffix,
-structured outputs) are errors. A pooling handler replaces `prepare_embedding` later.
+the removed guided_* fields) are errors. `response_format` and `structured_outputs` become
+structured outputs (see `structured.py`). A pooling handler replaces `prepare_embedding` later.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagedlm.entrypoints.openai.responses import (
     logprob_steps,
     response_body,
 )
+from pagedlm.entrypoints.openai.structured import structured_outputs_from_body
 from pagedlm.inputs import TokensPrompt
 from pagedlm.outputs import CompletionOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
@@ -98,7 +100,7 @@ _SAMPLING_FIELDS = {
     for name in names.split()
 }
 
-_STRUCTURED = "structured outputs are not supported by pagedlm yet"
+_GUIDED = "guided_* fields were removed from vLLM: use 'response_format' or 'structured_outputs'"
 _UNSUPPORTED = {
     "stream": "streaming is not possible in a batch file: drop 'stream' or set it to false",
     "echo": "'echo' is not supported",
@@ -106,8 +108,8 @@ _UNSUPPORTED = {
     "prompt_logprobs": "'prompt_logprobs' is not supported by run-batch",
     "use_beam_search": "beam search is not supported by run-batch",
     **dict.fromkeys(
-        ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
-        _STRUCTURED,
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar"),
+        _GUIDED,
     ),
 }
 
@@ -116,8 +118,6 @@ def _check_unsupported(body: dict[str, Any]) -> None:
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, False):
             raise RequestError(f"{why} (got '{name}': {_describe(body[name])}).")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise RequestError(f"'response_format' other than text: {_STRUCTURED}.")
 
 
 def _validate_prompt(ctx: ServingContext, token_ids: list[int]) -> None:
@@ -180,6 +180,10 @@ def _sampling_params(
     kwargs["max_tokens"] = _max_tokens(ctx, prompt_len, requested_max, default_max)
     kwargs["logprobs"] = num_logprobs
     kwargs["output_kind"] = RequestOutputKind.FINAL_ONLY
+    try:
+        kwargs["structured_outputs"] = structured_outputs_from_body(body)
+    except ValueError as e:
+        raise RequestError(str(e)) from e
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError, OverflowError) as e:

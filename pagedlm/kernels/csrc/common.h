@@ -20,6 +20,47 @@ static inline void load_row(const void* base, int64_t offset, int64_t n, int bf1
   }
 }
 
+// KV cache element kinds: the cache may be narrower than the queries (fp8 with a per-tensor
+// scale: value = fp8 * scale, as vLLM's k_scale / v_scale).
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3 };
+
+static inline int64_t kv_elem_bytes(int kind) {
+  return kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1;
+}
+
+// One fp8 byte -> fp32, exactly: the exponent and mantissa bits are placed in an fp32 and
+// rebiased with one multiplication (subnormals come out right the same way). e4m3fn's NaN
+// (0x7F / 0xFF) is not produced by the cache writes, which saturate.
+static inline float fp8_to_f32(uint8_t b, int kind) {
+  const uint32_t sign = (uint32_t)(b & 0x80) << 24, em = b & 0x7Fu;
+  uint32_t bits;
+  float f;
+  if (kind == KV_FP8_E4M3) {
+    bits = sign | (em << 20);
+    memcpy(&f, &bits, 4);
+    return f * 0x1p120f;
+  }
+  if ((em >> 2) == 31) {  // e5m2 inf / NaN
+    bits = sign | 0x7F800000u | (em & 3u) << 21;
+    memcpy(&f, &bits, 4);
+    return f;
+  }
+  bits = sign | (em << 21);
+  memcpy(&f, &bits, 4);
+  return f * 0x1p112f;
+}
+
+// n cache values of any kind starting at element `offset` -> fp32 (fp8 times `scale`).
+static inline void load_kv_row(const void* base, int64_t offset, int64_t n, int kind, float scale,
+                               float* restrict row) {
+  if (kind == KV_F32 || kind == KV_BF16) {
+    load_row(base, offset, n, kind == KV_BF16, row);
+    return;
+  }
+  const uint8_t* restrict src = (const uint8_t*)base + offset;
+  for (int64_t i = 0; i < n; i++) row[i] = fp8_to_f32(src[i], kind) * scale;
+}
+
 // fp32 -> bf16, rounding to nearest even as PyTorch does (NaN stays NaN).
 static inline uint16_t to_bf16(float f) {
   uint32_t u;
@@ -82,6 +123,21 @@ static inline __m512 load16(const void* base, int64_t offset, int bf16) {
   return _mm512_loadu_ps((const float*)base + offset);
 }
 
+// 16 cache values of any kind -> fp32 (fp8 times `scale`). fp8 goes through fp16, whose
+// conversion is exact and handles subnormals in hardware: e5m2 is the top byte of an fp16, e4m3
+// is an fp16 with its exponent 8 too small.
+static inline __m512 load16_kv(const void* base, int64_t offset, int kind, float scale) {
+  if (kind == KV_F32 || kind == KV_BF16) return load16(base, offset, kind == KV_BF16);
+  const __m256i w =
+      _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)base + offset)));
+  if (kind == KV_FP8_E5M2)
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(w, 8)), _mm512_set1_ps(scale));
+  const __m256i h =
+      _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f * scale));
+}
+
 // exp_clamped on 16 lanes (exp_clamped itself does not vectorize: gcc 12 if-converts its clamps
 // only with -ffinite-math-only).
 static inline __m512 exp512(__m512 x) {
@@ -119,6 +175,32 @@ static inline void store16(void* base, int64_t offset, __m512 x, int bf16) {
     _mm512_storeu_ps((float*)base + offset, x);
   }
 }
+// In-place transpose of a 16 x 16 fp32 matrix held in 16 registers.
+static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+  }
+}
 #endif
 
 #if defined(PAGEDLM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -153,30 +235,4 @@ static inline void amx_configure_full_tiles(int count) {
   _tile_loadconfig(&cfg);
 }
 
-// In-place transpose of a 16 x 16 fp32 matrix held in 16 registers.
-static inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; i++) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
-    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
-  }
-  for (int i = 0; i < 4; i++) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
-    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
-  }
-}
 #endif

@@ -37,16 +37,24 @@ static void rms_norm_row512(const void* x, void* residual, const float* w, void*
 
 // out = norm(x + residual) * w; `residual` (if not NULL) is overwritten with x + residual.
 // offset 0: w * bf16(norm) (Llama); offset 1: norm * (1 + w) rounded once (Gemma).
-void rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows,
-              int64_t hidden, float eps, float offset, int bf16, int num_threads) {
+// Returns 0 if a buffer could not be allocated (the output is then incomplete), else 1.
+int rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t rows,
+             int64_t hidden, float eps, float offset, int bf16, int num_threads) {
+  int ok = 1;
 #pragma omp parallel num_threads(num_threads)
   {
     float* row = malloc(sizeof(float) * hidden * 3);
+    const int have = row != NULL;
+    if (!have) {
+#pragma omp atomic write
+      ok = 0;
+    }
     float* res = row + hidden;
     float* w = row + 2 * hidden;
-    load_row(weight, 0, hidden, bf16, w);
+    if (have) load_row(weight, 0, hidden, bf16, w);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
+      if (!have) continue;
 #ifdef PAGEDLM_AVX512
       if (hidden % 16 == 0) {
         rms_norm_row512(x, residual, w, out, r * hidden, hidden, eps, offset, bf16, row);
@@ -79,17 +87,25 @@ void rms_norm(const void* x, void* residual, const void* weight, void* out, int6
     }
     free(row);
   }
+  return ok;
 }
 
 // x = [gate | up] per row ([rows, 2 * d]) -> out [rows, d] = bf16(silu(gate)) * up.
-void silu_and_mul(const void* x, void* out, int64_t rows, int64_t d, int bf16,
-                  int num_threads) {
+// Returns 0 if a buffer could not be allocated (the output is then incomplete), else 1.
+int silu_and_mul(const void* x, void* out, int64_t rows, int64_t d, int bf16, int num_threads) {
+  int ok = 1;
 #pragma omp parallel num_threads(num_threads)
   {
     float* restrict gate = malloc(sizeof(float) * d * 2);
+    const int have = gate != NULL;
+    if (!have) {
+#pragma omp atomic write
+      ok = 0;
+    }
     float* restrict up = gate + d;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
+      if (!have) continue;
       int64_t i = 0;
 #ifdef PAGEDLM_AVX512
       const __m512 one = _mm512_set1_ps(1.f);
@@ -112,25 +128,34 @@ void silu_and_mul(const void* x, void* out, int64_t rows, int64_t d, int bf16,
     }
     free(gate);
   }
+  return ok;
 }
 
 // NeoX-style RoPE in place on the first `rotary_dim` dims of every head of q and k, whose rows
 // are `q_stride` / `k_stride` elements apart. cos/sin: fp32 [max_position, rotary_dim]; with
 // bf16 they are rounded to bf16 first and x*cos + rotate_half(x)*sin rounds after each op.
-void rotary_embedding(void* q, void* k, const int64_t* positions, const float* cos_cache,
-                      const float* sin_cache, int64_t tokens, int64_t q_heads, int64_t k_heads,
-                      int64_t q_stride, int64_t k_stride, int64_t head_size, int64_t rotary_dim,
-                      int bf16, int num_threads) {
+// Returns 0 if a buffer could not be allocated (the output is then incomplete), else 1.
+int rotary_embedding(void* q, void* k, const int64_t* positions, const float* cos_cache,
+                     const float* sin_cache, int64_t tokens, int64_t q_heads, int64_t k_heads,
+                     int64_t q_stride, int64_t k_stride, int64_t head_size, int64_t rotary_dim,
+                     int bf16, int num_threads) {
   const int64_t half = rotary_dim / 2;
+  int ok = 1;
 #pragma omp parallel num_threads(num_threads)
   {
     float* buf = malloc(sizeof(float) * rotary_dim * 4);
+    const int have = buf != NULL;
+    if (!have) {
+#pragma omp atomic write
+      ok = 0;
+    }
     float* c = buf;
     float* s = buf + rotary_dim;
     float* x = buf + 2 * rotary_dim;
     float* y = buf + 3 * rotary_dim;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
+      if (!have) continue;
       memcpy(c, cos_cache + positions[t] * rotary_dim, sizeof(float) * rotary_dim);
       memcpy(s, sin_cache + positions[t] * rotary_dim, sizeof(float) * rotary_dim);
       if (bf16) {
@@ -164,4 +189,5 @@ void rotary_embedding(void* q, void* k, const int64_t* positions, const float* c
     }
     free(buf);
   }
+  return ok;
 }

@@ -1,23 +1,43 @@
-// Paged attention for decode rows (one query token per sequence), bf16 or fp32 caches.
+// Paged attention for decode rows (one query token per sequence); bf16 or fp32 queries, caches
+// of the query dtype or fp8 (e4m3 / e5m2 with a per-tensor scale, converted in registers).
 //
 // KV cache layout: [num_blocks, block_size, num_kv_heads, head_size] per K and V.
-// Work is split over (sequence, kv head) pairs with OpenMP; each pair reads its keys and values
-// once through the block table (no copy of the cache), scores them against its group of query
-// heads and takes a softmax, all in fp32. Scratch buffers are per thread. Head sizes 64, 128
-// and 256 take an AVX-512 path where the compiler targets it; every size has the portable one.
+// Work items are (sequence, kv head, split): a long sequence's context is cut into splits that
+// different threads attend (split-KV), each leaving its normalized partial output and its
+// log-sum-exp; a second pass merges the splits of each head. The number of splits per sequence
+// comes from the sequence lengths and the thread count (decode_splits), so that one long
+// sequence keeps every core busy while a big batch of short ones is not split at all. Each
+// item reads its keys and values once through the block table (no copy of the cache), scores
+// them against its group of query heads and takes a softmax, all in fp32. Scratch buffers are
+// per thread. Head sizes 64, 128 and 256 take an AVX-512 path where the compiler targets it;
+// every size has the portable one.
 #include <stdlib.h>
 
 #include "common.h"
 
+typedef struct {
+  int kind;  // the cache's element kind (KV_*)
+  float k_scale, v_scale;
+} KV;
+
+// Head h (g within its kv head's group) of sequence b: into `out` (bf16 or fp32) when the
+// sequence is not split, else into this split's fp32 partial rows, [group][head_size].
+static inline void store_head(void* out, float* part, int64_t b, int64_t h, int64_t g,
+                              int64_t num_heads, int64_t head_size, int bf16, const float* row) {
+  if (part != NULL)
+    memcpy(part + g * head_size, row, sizeof(float) * head_size);
+  else
+    store_row(out, (b * num_heads + h) * head_size, head_size, bf16, row);
+}
+
 // One (sequence, kv head) pair, portable C that gcc vectorizes; inlined with constant head
 // sizes so the loops unroll.
 static inline __attribute__((always_inline)) void attend(
-    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t len,
-    void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int64_t head_size,
-    int64_t token_stride, int64_t block_size, float scale, int64_t window, int bf16, float* qf,
-    float* acc, float* scores, float* row) {
-  const int64_t start = (window > 0 && len > window) ? len - window : 0;
-  const int64_t n = len - start;
+    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
+    int64_t end, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group,
+    const int64_t head_size, int64_t token_stride, int64_t block_size, float scale, int bf16,
+    const KV* kv, float* part, float* lse, float* qf, float* acc, float* scores, float* row) {
+  const int64_t n = end - start;
   const int64_t head_offset = kh * head_size;
   for (int64_t g = 0; g < group; g++) {
     float* qg = qf + g * head_size;
@@ -28,7 +48,7 @@ static inline __attribute__((always_inline)) void attend(
   for (int64_t t = 0; t < n; t++) {
     const int64_t pos = start + t;
     const int64_t base = (table[pos / block_size] * block_size + pos % block_size) * token_stride;
-    load_row(k_cache, base + head_offset, head_size, bf16, row);
+    load_kv_row(k_cache, base + head_offset, head_size, kv->kind, kv->k_scale, row);
     for (int64_t g = 0; g < group; g++) {
       const float* restrict qg = qf + g * head_size;
       float s = 0.f;
@@ -50,12 +70,13 @@ static inline __attribute__((always_inline)) void attend(
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
 #pragma omp simd
     for (int64_t t = 0; t < n; t++) sg[t] *= inv;
+    if (lse != NULL) lse[g] = mx + logf(sum);
   }
   memset(acc, 0, sizeof(float) * group * head_size);
   for (int64_t t = 0; t < n; t++) {
     const int64_t pos = start + t;
     const int64_t base = (table[pos / block_size] * block_size + pos % block_size) * token_stride;
-    load_row(v_cache, base + head_offset, head_size, bf16, row);
+    load_kv_row(v_cache, base + head_offset, head_size, kv->kind, kv->v_scale, row);
     for (int64_t g = 0; g < group; g++) {
       const float p = scores[g * n + t];
       float* restrict ag = acc + g * head_size;
@@ -64,8 +85,7 @@ static inline __attribute__((always_inline)) void attend(
     }
   }
   for (int64_t g = 0; g < group; g++)
-    store_row(out, (b * num_heads + kh * group + g) * head_size, head_size, bf16,
-              acc + g * head_size);
+    store_head(out, part, b, kh * group + g, g, num_heads, head_size, bf16, acc + g * head_size);
 }
 
 #ifdef PAGEDLM_AVX512
@@ -90,8 +110,8 @@ static inline void prefetch_block(const BlockWalk* w, int64_t block) {
 
 static inline BlockWalk walk_start(const void* cache, const int64_t* table, int64_t start,
                                    int64_t n, int64_t block_size, int64_t token_stride,
-                                   int64_t head_offset, int64_t head_size, int bf16) {
-  const int64_t elem = bf16 ? 2 : 4;
+                                   int64_t head_offset, int64_t head_size, int kind) {
+  const int64_t elem = kv_elem_bytes(kind);
   BlockWalk w = {(const char*)cache, table, block_size, token_stride, head_offset,
                  head_size * elem, elem, start / block_size, start % block_size - 1,
                  (start + n - 1) / block_size};
@@ -113,7 +133,8 @@ static inline int64_t walk_next(BlockWalk* w) {
 static inline __attribute__((always_inline)) void weighted_values(
     const void* v_cache, const int64_t* table, int64_t start, int64_t n, void* out, int64_t b,
     int64_t kh, int64_t num_heads, int64_t group, const int DV, int64_t token_stride,
-    int64_t block_size, int bf16, const float* p, int64_t stride, float* row) {
+    int64_t block_size, int bf16, const KV* kv, float* part, const float* p, int64_t stride,
+    float* row) {
   const int64_t head_size = 16 * DV;
   const int64_t per_pass = DV >= 16 ? 1 : 16 / DV;
   for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
@@ -121,11 +142,11 @@ static inline __attribute__((always_inline)) void weighted_values(
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     BlockWalk vw = walk_start(v_cache, table, start, n, block_size, token_stride, kh * head_size,
-                              head_size, bf16);
+                              head_size, kv->kind);
     for (int64_t t = 0; t < n; t++) {
       const int64_t base = walk_next(&vw);
       __m512 v[16];
-      for (int c = 0; c < DV; c++) v[c] = load16(v_cache, base + 16 * c, bf16);
+      for (int c = 0; c < DV; c++) v[c] = load16_kv(v_cache, base + 16 * c, kv->kind, kv->v_scale);
       for (int64_t gi = 0; gi < gn; gi++) {
         const __m512 pv = _mm512_set1_ps(p[t * stride + g0 + gi]);
         for (int c = 0; c < DV; c++) acc[gi * DV + c] = _mm512_fmadd_ps(pv, v[c], acc[gi * DV + c]);
@@ -133,7 +154,7 @@ static inline __attribute__((always_inline)) void weighted_values(
     }
     for (int64_t gi = 0; gi < gn; gi++) {
       for (int c = 0; c < DV; c++) _mm512_storeu_ps(row + 16 * c, acc[gi * DV + c]);
-      store_row(out, (b * num_heads + kh * group + g0 + gi) * head_size, head_size, bf16, row);
+      store_head(out, part, b, kh * group + g0 + gi, g0 + gi, num_heads, head_size, bf16, row);
     }
   }
 }
@@ -163,14 +184,13 @@ static inline __m256 hsum8(const __m512 a[8]) {
 // the key/value row and the accumulators live in registers. Scores are kept token-major,
 // [n][G8] with G8 = group rounded up to 8, so the softmax runs across heads in one vector.
 static inline __attribute__((always_inline)) void attend_avx512(
-    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t len,
-    void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
-    int64_t token_stride, int64_t block_size, float scale, int64_t window, int bf16, float* qf,
-    float* scores, float* row) {
+    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
+    int64_t end, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
+    int64_t token_stride, int64_t block_size, float scale, int bf16, const KV* kv, float* part,
+    float* lse, float* qf, float* scores, float* row) {
   const int64_t head_size = 16 * DV;
   const int64_t G8 = (group + 7) & ~(int64_t)7;
-  const int64_t start = (window > 0 && len > window) ? len - window : 0;
-  const int64_t n = len - start;
+  const int64_t n = end - start;
   const int64_t head_offset = kh * head_size;
   for (int64_t g = 0; g < group; g++) {
     const int64_t q_offset = (b * num_heads + kh * group + g) * head_size;
@@ -180,11 +200,11 @@ static inline __attribute__((always_inline)) void attend_avx512(
     }
   }
   BlockWalk kw = walk_start(k_cache, table, start, n, block_size, token_stride, head_offset,
-                            head_size, bf16);
+                            head_size, kv->kind);
   for (int64_t t = 0; t < n; t++) {
     const int64_t base = walk_next(&kw);
     __m512 k[16];
-    for (int c = 0; c < DV; c++) k[c] = load16(k_cache, base + 16 * c, bf16);
+    for (int c = 0; c < DV; c++) k[c] = load16_kv(k_cache, base + 16 * c, kv->kind, kv->k_scale);
     for (int64_t g0 = 0; g0 < group; g0 += 8) {
       __m512 a[8];
       for (int64_t i = 0; i < 8; i++) {
@@ -213,9 +233,15 @@ static inline __attribute__((always_inline)) void attend_avx512(
       float* st = scores + t * G8 + g0;
       _mm256_storeu_ps(st, _mm256_mul_ps(_mm256_loadu_ps(st), inv));
     }
+    if (lse != NULL) {
+      float mxs[16], sums[16];
+      _mm512_storeu_ps(mxs, mx);
+      _mm512_storeu_ps(sums, sum);
+      for (int64_t i = 0; i < 8 && g0 + i < group; i++) lse[g0 + i] = mxs[i] + logf(sums[i]);
+    }
   }
   weighted_values(v_cache, table, start, n, out, b, kh, num_heads, group, DV, token_stride,
-                  block_size, bf16, scores, G8, row);
+                  block_size, bf16, kv, part, scores, G8, row);
 }
 #endif
 
@@ -228,12 +254,11 @@ static void amx_configure(void) { amx_configure_full_tiles(3); }
 // come from AMX, 16 tokens (one aligned run of cache slots, read in place) by all heads at
 // once, with exact bf16 products and fp32 sums; the softmax and the values as in AVX-512.
 static inline __attribute__((always_inline)) void attend_amx(
-    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t len,
-    void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
-    int64_t token_stride, int64_t block_size, float scale, int64_t window, uint16_t* qb,
-    float* scores, float* row) {
+    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
+    int64_t len, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
+    int64_t token_stride, int64_t block_size, float scale, const KV* kv, float* part, float* lse,
+    uint16_t* qb, float* scores, float* row) {
   const int64_t head_size = 16 * DV;
-  const int64_t start = (window > 0 && len > window) ? len - window : 0;
   const int64_t first = start & ~(int64_t)15;  // scores[i] is position first + i
   const uint16_t* qh = (const uint16_t*)q + (b * num_heads + kh * group) * head_size;
   for (int64_t c = 0; c < DV / 2; c++)  // qb[c][pair r][head g][2]
@@ -268,75 +293,189 @@ static inline __attribute__((always_inline)) void attend_amx(
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
   for (int64_t t = 0; t < n; t++)
     _mm512_storeu_ps(valid + t * 16, _mm512_mul_ps(_mm512_loadu_ps(valid + t * 16), inv));
+  if (lse != NULL) {
+    float mxs[16], sums[16];
+    _mm512_storeu_ps(mxs, mx);
+    _mm512_storeu_ps(sums, sum);
+    for (int64_t g = 0; g < group; g++) lse[g] = mxs[g] * scale + logf(sums[g]);
+  }
   weighted_values(v_cache, table, start, n, out, b, kh, num_heads, group, DV, token_stride,
-                  block_size, 1, valid, 16, row);
+                  block_size, 1, kv, part, valid, 16, row);
 }
 #endif
 
-void paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
-                            const int64_t* block_table, int64_t max_blocks,
-                            const int64_t* seq_lens, void* out, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                            int64_t block_size, float scale, int64_t window, int bf16,
-                            int num_threads) {
+#define MAX_SPLITS 64
+
+// Keys each sequence attends (its window's worth at most).
+static inline int64_t attended(int64_t len, int64_t window) {
+  return window > 0 && len > window ? window : len;
+}
+
+// Splits per sequence: about 4 items per thread in all, none shorter than min_split keys (so a
+// batch of many sequences is not split, one long sequence is cut into pieces for every core).
+void paged_decode_num_splits(const int64_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads,
+                             int64_t window, int64_t min_split, int num_threads, int64_t* splits) {
+  int64_t total = 0;
+  for (int64_t b = 0; b < num_seqs; b++) total += attended(seq_lens[b], window) * num_kv_heads;
+  const int64_t target = 4 * (int64_t)num_threads;
+  int64_t piece = (total + target - 1) / target;
+  piece = piece > min_split ? piece : min_split;
+  piece = piece > 1 ? piece : 1;
+  for (int64_t b = 0; b < num_seqs; b++) {
+    int64_t n = (attended(seq_lens[b], window) + piece - 1) / piece;
+    splits[b] = n < 1 ? 1 : n > MAX_SPLITS ? MAX_SPLITS : n;
+  }
+}
+
+// Split sp of sp_count over the keys sequence `len` attends: positions [*lo, *hi), never empty
+// when the caller's split counts come from paged_decode_num_splits.
+static inline void split_range(int64_t len, int64_t window, int64_t sp, int64_t sp_count,
+                               int64_t* lo, int64_t* hi) {
+  const int64_t start = len - attended(len, window), n = len - start;
+  const int64_t piece = (n + sp_count - 1) / sp_count;
+  *lo = start + sp * piece;
+  *hi = *lo + piece < len ? *lo + piece : len;
+}
+
+// Returns 0, or -1 when scratch memory ran out. kind / k_scale / v_scale describe the cache
+// (KV_* in common.h); q and out are bf16 when `bf16`, else fp32. min_split: fewest keys per
+// split (0: 256).
+int paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
+                           const int64_t* block_table, int64_t max_blocks,
+                           const int64_t* seq_lens, void* out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                           int64_t block_size, float scale, int64_t window, int bf16, int kind,
+                           float k_scale, float v_scale, int64_t min_split, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < num_seqs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+  const KV kv = {kind, k_scale, v_scale};
+  int64_t* splits = malloc(sizeof(int64_t) * (3 * num_seqs + 1));
+  if (splits == NULL) return -1;
+  int64_t* first_item = splits + num_seqs;  // [num_seqs + 1]
+  int64_t* first_part = first_item + num_seqs + 1;  // partial-row index, split sequences only
+  paged_decode_num_splits(seq_lens, num_seqs, num_kv_heads, window, min_split > 0 ? min_split : 256,
+                          num_threads, splits);
+  int64_t max_piece = 1, num_parts = 0;
+  first_item[0] = 0;
+  for (int64_t b = 0; b < num_seqs; b++) {
+    const int64_t piece = (attended(seq_lens[b], window) + splits[b] - 1) / splits[b];
+    max_piece = piece > max_piece ? piece : max_piece;
+    first_item[b + 1] = first_item[b] + splits[b] * num_kv_heads;
+    first_part[b] = num_parts;
+    if (splits[b] > 1) num_parts += splits[b] * num_kv_heads;
+  }
+  const int64_t num_items = first_item[num_seqs];
+  // per split item: [group][head_size] normalized fp32 rows, then [group] log-sum-exps
+  float* parts = num_parts ? malloc(sizeof(float) * num_parts * group * (head_size + 1)) : NULL;
+  if (num_parts && parts == NULL) {
+    free(splits);
+    return -1;
+  }
+  float* lses = parts ? parts + num_parts * group * head_size : NULL;
 #ifdef PAGEDLM_AMX
-  const int use_amx = bf16 && group <= 16 && block_size % 16 == 0 &&
+  const int use_amx = bf16 && kind == KV_BF16 && group <= 16 && block_size % 16 == 0 &&
                       (head_size == 64 || head_size == 128 || head_size == 256) && amx_permitted();
 #endif
+  int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
     float* qf = malloc(sizeof(float) * group * head_size);
     float* acc = malloc(sizeof(float) * group * head_size);
-    // token-major scores: 16 heads wide (AMX) or group rounded up to 8, 16 rows of slack
+    // token-major scores: 16 heads wide (AMX) or group rounded up to 8; 32 rows of slack, as
+    // AMX scores whole aligned runs of 16 from below a split's start to above its end
     const int64_t width = group <= 16 ? 16 : (group + 7) & ~(int64_t)7;
-    float* scores = malloc(sizeof(float) * width * (max_len + 16));
+    float* scores = malloc(sizeof(float) * width * (max_piece + 32));
     float* row = malloc(sizeof(float) * head_size);
 #ifdef PAGEDLM_AMX
     uint16_t* qb = malloc(sizeof(uint16_t) * 16 * head_size);
-    if (use_amx) amx_configure();
+    if (use_amx && qb != NULL) amx_configure();
+    const int ok = qf && acc && scores && row && qb;
+#else
+    const int ok = qf && acc && scores && row;
 #endif
-#pragma omp for collapse(2) schedule(dynamic)
-    for (int64_t b = 0; b < num_seqs; b++) {
-      for (int64_t kh = 0; kh < num_kv_heads; kh++) {
-        const int64_t* table = block_table + b * max_blocks;
-#define ATTEND(D)                                                                              \
-  attend(q, k_cache, v_cache, table, seq_lens[b], out, b, kh, num_heads, group, D, token_stride, \
-         block_size, scale, window, bf16, qf, acc, scores, row)
+    if (!ok) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < num_items; item++) {
+      if (!ok) continue;
+      int64_t b = 0, hi_b = num_seqs;  // first_item[b] <= item < first_item[b + 1]
+      while (hi_b - b > 1) {
+        const int64_t mid = (b + hi_b) / 2;
+        if (first_item[mid] <= item) b = mid;
+        else hi_b = mid;
+      }
+      const int64_t local = item - first_item[b];
+      const int64_t kh = local / splits[b], sp = local % splits[b];
+      int64_t lo, hi;
+      split_range(seq_lens[b], window, sp, splits[b], &lo, &hi);
+      float *part = NULL, *lse = NULL;
+      if (splits[b] > 1) {
+        const int64_t pi = first_part[b] + local;
+        part = parts + pi * group * head_size;
+        lse = lses + pi * group;
+      }
+      const int64_t* table = block_table + b * max_blocks;
+#define ATTEND(D)                                                                            \
+  attend(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, D, token_stride,   \
+         block_size, scale, bf16, &kv, part, lse, qf, acc, scores, row)
 #define ATTEND_AVX512(DV)                                                                    \
-  attend_avx512(q, k_cache, v_cache, table, seq_lens[b], out, b, kh, num_heads, group, DV,     \
-                token_stride, block_size, scale, window, bf16, qf, scores, row)
+  attend_avx512(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, DV,         \
+                token_stride, block_size, scale, bf16, &kv, part, lse, qf, scores, row)
 #define ATTEND_AMX(DV)                                                                       \
-  attend_amx(q, k_cache, v_cache, table, seq_lens[b], out, b, kh, num_heads, group, DV,        \
-             token_stride, block_size, scale, window, qb, scores, row)
+  attend_amx(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, DV,            \
+             token_stride, block_size, scale, &kv, part, lse, qb, scores, row)
 #ifdef PAGEDLM_AMX
-        if (use_amx) {
-          switch (head_size) {
-            case 64: ATTEND_AMX(4); break;
-            case 128: ATTEND_AMX(8); break;
-            default: ATTEND_AMX(16);
-          }
-          continue;
-        }
-#endif
+      if (use_amx) {
         switch (head_size) {
-#ifdef PAGEDLM_AVX512
-          case 64: ATTEND_AVX512(4); break;
-          case 128: ATTEND_AVX512(8); break;
-          case 256: ATTEND_AVX512(16); break;
-#endif
-          default: ATTEND(head_size);
+          case 64: ATTEND_AMX(4); break;
+          case 128: ATTEND_AMX(8); break;
+          default: ATTEND_AMX(16);
         }
+        continue;
+      }
+#endif
+      switch (head_size) {
+#ifdef PAGEDLM_AVX512
+        case 64: ATTEND_AVX512(4); break;
+        case 128: ATTEND_AVX512(8); break;
+        case 256: ATTEND_AVX512(16); break;
+#endif
+        default: ATTEND(head_size);
+      }
 #undef ATTEND
 #undef ATTEND_AVX512
 #undef ATTEND_AMX
+    }
+    // merge the splits of each (sequence, kv head): weights exp(lse_s - max lse)
+#pragma omp for schedule(dynamic)
+    for (int64_t bk = 0; bk < num_seqs * num_kv_heads; bk++) {
+      const int64_t b = bk / num_kv_heads, kh = bk % num_kv_heads;
+      if (!ok || splits[b] == 1) continue;
+      const int64_t pi0 = first_part[b] + kh * splits[b];
+      for (int64_t g = 0; g < group; g++) {
+        float mx = -INFINITY, total = 0.f;
+        for (int64_t sp = 0; sp < splits[b]; sp++) {
+          const float l = lses[(pi0 + sp) * group + g];
+          mx = l > mx ? l : mx;
+        }
+        memset(acc, 0, sizeof(float) * head_size);
+        for (int64_t sp = 0; sp < splits[b]; sp++) {
+          const float w = expf(lses[(pi0 + sp) * group + g] - mx);
+          const float* p = parts + ((pi0 + sp) * group + g) * head_size;
+          total += w;
+#pragma omp simd
+          for (int64_t x = 0; x < head_size; x++) acc[x] += w * p[x];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t x = 0; x < head_size; x++) acc[x] *= inv;
+        store_row(out, (b * num_heads + kh * group + g) * head_size, head_size, bf16, acc);
       }
     }
 #ifdef PAGEDLM_AMX
-    if (use_amx) _tile_release();
+    if (use_amx && qb != NULL) _tile_release();
     free(qb);
 #endif
     free(qf);
@@ -344,4 +483,7 @@ void paged_decode_attention(const void* q, const void* k_cache, const void* v_ca
     free(scores);
     free(row);
   }
+  free(parts);
+  free(splits);
+  return failed ? -1 : 0;
 }

@@ -52,16 +52,19 @@ static inline __attribute__((always_inline)) void row_block(const uint16_t* w, c
 }
 #endif
 
-// Returns 0 (and computes nothing) unless AMX is there and M <= 64, N % 16 == 0, K % 32 == 0.
+// Returns 0 (and computes nothing) unless AMX is there and M <= 64, N % 16 == 0, K % 32 == 0;
+// 0 too when out of memory.
 int small_batch_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                        int64_t M, int64_t N, int64_t K, int num_threads) {
 #ifdef PAGEDLM_AMX
   if (M < 1 || M > 64 || N % 16 || K % 32 || !amx_permitted()) return 0;
   const int MT = (int)((M + 15) / 16);
   const int64_t mpad = 16 * MT;
+  int ok = 1;
   // x^T by pairs, tiled: xt[step s][tile j][pair r][column i] = (x[m][2p], x[m][2p + 1]) for
   // p = 16 s + r, m = 16 j + i, so each B tile is one contiguous kilobyte.
   uint32_t* xt = calloc((K / 2) * mpad, 4);
+  if (xt == NULL) return 0;
   const uint32_t* x32 = (const uint32_t*)x;
   for (int64_t m = 0; m < M; m++)
     for (int64_t p = 0; p < K / 2; p++)
@@ -70,8 +73,13 @@ int small_batch_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bia
   {
     amx_configure_full_tiles(6);
     float* c = aligned_alloc(64, sizeof(float) * 16 * 64);  // [16 rows of W][mpad]
+    if (c == NULL) {
+#pragma omp atomic write
+      ok = 0;
+    }
 #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < N / 16; nb++) {
+      if (c == NULL) continue;
       switch (MT) {
         case 1: row_block(w, xt, nb, N, K, mpad, 1, c); break;
         case 2: row_block(w, xt, nb, N, K, mpad, 2, c); break;
@@ -92,7 +100,7 @@ int small_batch_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bia
     _tile_release();
   }
   free(xt);
-  return 1;
+  return ok;
 #else
   (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
   return 0;

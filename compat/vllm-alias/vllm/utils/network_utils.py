@@ -1,3 +1,3 @@
 """vllm.utils.network_utils -> pagedlm.distributed."""
 
-from pagedlm.distributed import get_ip, get_open_port  # noqa: F401
+from pagedlm.distributed.network_utils import get_ip, get_open_port  # noqa: F401

@@ -1,0 +1,108 @@
+"""LLM's control plane: RL weight transfer (vLLM's RL mixin), sleep / wake-up, profiling.
+
+Weight-transfer calls go to every worker through `collective_rpc`, as in vLLM; a version
+given to `finish_weight_update` (or `update_weight_version`) is what `get_weight_version`
+reports from then on. After weights change the engine invalidates its prefix cache before
+its next step (running requests go on with the KV they have).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+from pagedlm.distributed.weight_transfer.base import (
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
+
+
+def _payload(request: Any, key: str, request_cls: type) -> dict[str, Any]:
+    if isinstance(request, request_cls):
+        value = getattr(request, key)
+    elif isinstance(request, dict):
+        if key not in request:
+            raise ValueError(f"the request needs a {key!r} entry, got keys {sorted(request)}")
+        value = request[key]
+    else:
+        raise TypeError(
+            f"expected {request_cls.__name__} or a dict with {key!r}, got {type(request)}"
+        )
+    if is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"{key} must be a dict, got {type(value).__name__}")
+    return dict(value or {})
+
+
+class ControlMixin:
+    llm_engine: Any
+
+    # ----------------------------------------------------------- weight sync
+    def init_weight_transfer_engine(
+        self, request: WeightTransferInitRequest | dict[str, Any]
+    ) -> None:
+        """Create each worker's transfer engine and connect it to the trainer."""
+        init_info = _payload(request, "init_info", WeightTransferInitRequest)
+        self.llm_engine.collective_rpc(
+            "init_weight_transfer_engine", kwargs={"init_info": init_info}
+        )
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.llm_engine.collective_rpc(
+            "start_weight_update", kwargs={"is_checkpoint_format": is_checkpoint_format}
+        )
+
+    def update_weights(self, request: WeightTransferUpdateRequest | dict[str, Any]) -> None:
+        """Receive one chunk of named tensors on every worker and load it (all or nothing)."""
+        update_info = _payload(request, "update_info", WeightTransferUpdateRequest)
+        self.llm_engine.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm_engine.collective_rpc("finish_weight_update")
+        if weight_version is not None:
+            self.llm_engine.set_weight_version(weight_version)
+
+    def update_weight_version(self, new_version: str) -> None:
+        """Set the reported version without touching the weights."""
+        self.llm_engine.set_weight_version(new_version)
+
+    def get_weight_version(self) -> str | None:
+        """The latest committed weight version (None before any)."""
+        return self.llm_engine.get_weight_version()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm_engine.collective_rpc("shutdown_weight_transfer_engine")
+
+    # ------------------------------------------------------------------ sleep
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Level 0 pauses scheduling (requests may still be enqueued); level 1 also frees
+        the KV cache (weights stay in host memory, where a CPU engine keeps them); level 2
+        also frees the weights (push or reload them after `wake_up`). `mode` decides what
+        happens to unfinished requests: "abort" them, "wait" for them (their outputs come
+        back from the next `wait_for_completion()`), or "keep" them (recomputed after
+        waking if their KV was freed)."""
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake the given parts ("weights", "kv_cache", "scheduling"; None: all); True once
+        the engine is fully awake."""
+        return self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def release_kv_cache_memory(self) -> None:
+        """After sleep(level=0): free the KV cache too; `wake_up(tags=["kv_cache"])` restores
+        it (kept requests are recomputed)."""
+        self.llm_engine.release_kv_cache_memory()
+
+    # --------------------------------------------------------------- profiler
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start the torch profiler on every worker (needs profiler_config or
+        VLLM_TORCH_PROFILER_DIR); `profile_prefix` starts the trace file names."""
+        self.llm_engine.start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop and write one Chrome trace per worker rank to the configured directory."""
+        self.llm_engine.stop_profile()

@@ -1,0 +1,117 @@
+"""Every environment variable pagedlm reads, declared once: name, default, meaning.
+
+Read them as attributes (`envs.PAGEDLM_CACHE_DIR`); each access reads the environment anew, so
+tests and launchers may set variables at any time. Code elsewhere must not call `os.environ`
+for a variable that is not declared here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    meaning: str
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+_VARS = [
+    EnvVar("PAGEDLM_DEVICE", "auto", str, "auto, cpu or cuda: the device the engine runs on."),
+    EnvVar(
+        "PAGEDLM_CACHE_DIR",
+        None,
+        str,
+        "Where packaged models are assembled and C kernels built (default: "
+        "$XDG_CACHE_HOME/pagedlm, else ~/.cache/pagedlm).",
+    ),
+    EnvVar("XDG_CACHE_HOME", None, str, "Base of the default cache directory."),
+    EnvVar("PAGEDLM_DISABLE_C_KERNELS", False, _flag, "1: use the PyTorch paths only."),
+    EnvVar("PAGEDLM_DISABLE_PREPACK", False, _flag, "1: keep linear weights dense (no oneDNN)."),
+    EnvVar(
+        "PAGEDLM_GGUF_DEQUANTIZE",
+        False,
+        _flag,
+        "1: GGUF weights are dequantized to the model dtype at load (when quantization is "
+        "not given) instead of kept packed for the integer kernels.",
+    ),
+    EnvVar("CC", None, str, "C compiler for the kernels (default: gcc, else cc)."),
+    EnvVar(
+        "OMP_NUM_THREADS",
+        None,
+        int,
+        "Compute threads of an in-process engine (default: one per physical core).",
+    ),
+    EnvVar(
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "auto",
+        str,
+        "CPU ids of each worker process, ranks separated by '|' (e.g. '0-7|8-15'); 'auto' "
+        "splits the usable CPUs evenly between ranks, 'nobind' does not pin.",
+    ),
+    EnvVar(
+        "VLLM_CPU_KVCACHE_SPACE",
+        None,
+        float,
+        "KV cache size in GiB (vLLM-CPU's legacy knob; kv_cache_memory_bytes wins).",
+    ),
+    EnvVar("VLLM_MAX_N_SEQUENCES", 16384, int, "Largest SamplingParams.n accepted."),
+    EnvVar("PYTHONHASHSEED", None, str, "Makes prefix-cache block hashes reproducible."),
+    EnvVar("VLLM_DP_RANK", 0, int, "Data-parallel rank of this engine process."),
+    EnvVar("VLLM_DP_RANK_LOCAL", None, int, "Data-parallel rank on this node."),
+    EnvVar("VLLM_DP_SIZE", 1, int, "Number of data-parallel engine processes."),
+    EnvVar("VLLM_DP_MASTER_IP", "127.0.0.1", str, "Address of data-parallel rank 0."),
+    EnvVar("VLLM_DP_MASTER_PORT", 0, int, "Port of data-parallel rank 0 (0: none)."),
+    EnvVar(
+        "PAGEDLM_WORKER_START_TIMEOUT",
+        300.0,
+        float,
+        "Seconds the multiprocess executor waits for its workers to load the model.",
+    ),
+]
+_VARS += [
+    EnvVar(
+        "VLLM_TORCH_PROFILER_DIR",
+        None,
+        str,
+        "Directory for torch profiler traces of start_profile()/stop_profile() (used when "
+        "profiler_config is not given).",
+    ),
+    EnvVar("VLLM_TORCH_PROFILER_WITH_STACK", True, _flag, "Record Python stacks in traces."),
+    EnvVar("VLLM_TORCH_PROFILER_RECORD_SHAPES", False, _flag, "Record operator input shapes."),
+    EnvVar("VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY", False, _flag, "Record memory use."),
+    EnvVar("VLLM_TORCH_PROFILER_WITH_FLOPS", False, _flag, "Estimate FLOPs of operators."),
+    EnvVar("VLLM_TORCH_PROFILER_USE_GZIP", True, _flag, "Write traces as .json.gz."),
+]
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
+
+
+def get(name: str) -> Any:
+    """The variable's parsed value, or its default when unset or empty."""
+    var = ENV_VARS[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is invalid: {var.meaning}") from e
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENV_VARS:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ENV_VARS])

@@ -1,0 +1,252 @@
+"""The multiprocess executor: one spawned process per rank, joined by torch.distributed.
+
+Each rank's process holds a Worker and answers calls sent over its own pipe (cloudpickle, so
+callables travel too). Failure handling, the reason this file exists:
+- while waiting for any reply the engine also watches every worker's process sentinel, so a
+  dead worker raises RuntimeError naming its rank within moments, never a hang (even when the
+  other ranks wait for it inside a collective);
+- workers die with the engine: they ignore Ctrl-C (the engine shuts them down), ask the kernel
+  for SIGKILL when their parent dies (Linux), and exit when their pipe closes;
+- the engine stops them on `shutdown()`, when the executor is garbage-collected and at exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import cloudpickle
+
+from pagedlm import envs
+from pagedlm.config import VllmConfig
+from pagedlm.executor.abstract import Executor, note_rank, run_method
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN = "__shutdown__"
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while the engine needed it."""
+
+
+def resolve_cpu_binding(world_size: int) -> list[list[int] | None]:
+    """CPU ids of each rank, from VLLM_CPU_OMP_THREADS_BIND ('auto', 'nobind' or '0-3|4-7')."""
+    spec = envs.VLLM_CPU_OMP_THREADS_BIND
+    if spec == "nobind":
+        return [None] * world_size
+    if spec != "auto":
+        ranks = spec.split("|")
+        if len(ranks) != world_size:
+            raise ValueError(
+                f"VLLM_CPU_OMP_THREADS_BIND={spec!r} names {len(ranks)} ranks, the engine has "
+                f"{world_size}; give one CPU list per rank, separated by '|'."
+            )
+        return [_parse_cpu_list(r) for r in ranks]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < world_size:  # more ranks than CPUs: ranks share them round-robin
+        return [[cpus[r % len(cpus)]] for r in range(world_size)]
+    per_rank = len(cpus) // world_size
+    return [cpus[r * per_rank : (r + 1) * per_rank] for r in range(world_size)]
+
+
+def _parse_cpu_list(text: str) -> list[int]:
+    ids: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        ids.extend(range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent exits (no orphaned workers)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _pack_error(error: BaseException) -> bytes:
+    text = "".join(traceback.format_exception(error))
+    try:
+        return cloudpickle.dumps((error, text))
+    except Exception:
+        return cloudpickle.dumps((RuntimeError(f"{type(error).__name__}: {error}"), text))
+
+
+def _worker_main(
+    conn: Connection,
+    vllm_config: VllmConfig,
+    rank: int,
+    init_method: str,
+    cpu_ids: list[int] | None,
+) -> None:
+    """Entry point of a worker process: build the Worker, then serve calls until shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    from pagedlm.worker.worker import Worker
+
+    try:
+        worker = Worker(
+            vllm_config, rank=rank, distributed_init_method=init_method, cpu_ids=cpu_ids
+        )
+        worker.init_device()
+        worker.load_model()
+    except BaseException as e:
+        conn.send_bytes(cloudpickle.dumps(("error", _pack_error(e))))
+        return
+    conn.send_bytes(cloudpickle.dumps(("ok", None)))
+    while True:
+        try:
+            method, args, kwargs = cloudpickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the engine is gone
+            return
+        if method == _SHUTDOWN:
+            return
+        try:
+            reply = cloudpickle.dumps(("ok", run_method(worker, method, args, kwargs)))
+        except BaseException as e:
+            reply = cloudpickle.dumps(("error", _pack_error(e)))
+        conn.send_bytes(reply)
+
+
+def _stop_workers(processes: list[mp.Process], conns: list[Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send_bytes(cloudpickle.dumps((_SHUTDOWN, (), {})))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 5
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+            p.join(2)
+        if p.is_alive():
+            p.kill()
+            p.join(1)
+    for conn in conns:
+        conn.close()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
+        world = self.parallel_config.world_size
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.processes: list[mp.Process] = []
+        self.conns: list[Connection] = []
+        for rank, cpu_ids in enumerate(resolve_cpu_binding(world)):
+            parent_conn, child_conn = ctx.Pipe()
+            process = ctx.Process(
+                target=_worker_main,
+                args=(child_conn, vllm_config, rank, init_method, cpu_ids),
+                name=f"pagedlm-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_conn.close()
+            self.processes.append(process)
+            self.conns.append(parent_conn)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.conns)
+        self._pending = [1] * world  # the "ready" reply
+        try:
+            self._collect("init", envs.PAGEDLM_WORKER_START_TIMEOUT)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d worker processes ready", world)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        if self.is_failed:
+            raise WorkerDiedError("A worker process died earlier; create a new LLM.")
+        self._drain()
+        payload = cloudpickle.dumps((method, args, kwargs or {}))
+        for rank, conn in enumerate(self.conns):
+            conn.send_bytes(payload)
+            self._pending[rank] += 1
+        return self._collect(method, timeout)
+
+    def _collect(self, method: str | Callable[..., Any], timeout: float | None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: list[Any] = []
+        error: tuple[int, BaseException] | None = None
+        for rank in range(len(self.conns)):
+            status, value = self._recv(rank, deadline, method)
+            if status == "error" and error is None:
+                exc, text = cloudpickle.loads(value)
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"Worker traceback:\n{text}")
+                error = (rank, exc)
+            results.append(value)
+        if error is not None:
+            raise note_rank(error[1], error[0], method)
+        return results
+
+    def _recv(self, rank: int, deadline: float | None, method: Any) -> tuple[str, Any]:
+        """One reply of `rank`; meanwhile any worker's death raises WorkerDiedError."""
+        conn = self.conns[rank]
+        sentinels = {p.sentinel: r for r, p in enumerate(self.processes)}
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([conn, *sentinels], timeout=remaining)
+            if conn in ready:
+                try:
+                    reply = cloudpickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    ready = [self.processes[rank].sentinel]
+                else:
+                    self._pending[rank] -= 1
+                    return reply
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                self._fail(dead[0], method)
+            if not ready:
+                raise TimeoutError(
+                    f"collective_rpc({method!r}) got no reply from worker rank {rank} within "
+                    "the timeout"
+                )
+
+    def _fail(self, rank: int, method: Any) -> None:
+        process = self.processes[rank]
+        process.join(1)
+        self.is_failed = True
+        self.shutdown()
+        raise WorkerDiedError(
+            f"Worker rank {rank} died unexpectedly (exit code {process.exitcode}) during "
+            f"{method!r}; the engine cannot continue. Check its log above (out of memory?)."
+        )
+
+    def _drain(self) -> None:
+        """Discard replies left behind by an earlier call that timed out or was interrupted."""
+        for rank, pending in enumerate(self._pending):
+            for _ in range(pending):
+                self._recv(rank, None, "an earlier call")
+
+    def shutdown(self) -> None:
+        self._finalizer()

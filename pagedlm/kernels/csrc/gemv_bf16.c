@@ -1,0 +1,223 @@
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias), bf16, for decode-sized M without AMX.
+//
+// AVX-512 BF16: 4 weight rows at a time are read once from DRAM (64-byte steps, vdpbf16ps),
+// each step against up to 4 activation rows kept in L1/L2; bigger M walks the same 4 weight
+// rows again per 4 activation rows (they are in L2 by then). Software prefetch runs
+// PREFETCH_ROWS rows ahead of the first pass. OpenMP splits N. Sums are fp32, the bias is
+// added before rounding to bf16.
+//
+// Portable: the same loop nest in plain C on fp32 (gcc vectorizes it with FMA); correct
+// everywhere, fast nowhere -- `small_batch_linear_isa()` tells the caller which one runs.
+#include <stdlib.h>
+
+#include "common.h"
+
+#define ROWS 4           // weight rows per step
+#define COLS 4           // activation rows per pass
+#define PREFETCH_ROWS 8  // prefetch distance, in weight rows
+
+static inline float bf16_to_f32(uint16_t h) {
+  const uint32_t u = ((uint32_t)h) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+#if defined(PAGEDLM_AVX512) && defined(__AVX512BF16__)
+#define PAGEDLM_AVX512_BF16 1
+
+// Rows n0 .. n0 + nr - 1 of W against activation rows m0 .. m0 + mt - 1.
+static inline __attribute__((always_inline)) void bf16_tile(const uint16_t* x, const uint16_t* w,
+                                                            const uint16_t* bias, uint16_t* y,
+                                                            int64_t n0, const int nr, int64_t m0,
+                                                            const int mt, int64_t N, int64_t K,
+                                                            int prefetch) {
+  __m512 acc[ROWS][COLS];
+  for (int r = 0; r < nr; r++)
+    for (int j = 0; j < mt; j++) acc[r][j] = _mm512_setzero_ps();
+  const int64_t kfull = K & ~(int64_t)31;
+  for (int64_t k = 0; k < kfull; k += 32) {
+    __m512bh wv[ROWS];
+    for (int r = 0; r < nr; r++) {
+      wv[r] = (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k);
+      if (prefetch) _mm_prefetch((const char*)(w + (n0 + r + PREFETCH_ROWS) * K + k), _MM_HINT_T0);
+    }
+    for (int j = 0; j < mt; j++) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + j) * K + k);
+      for (int r = 0; r < nr; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[r], xv);
+    }
+  }
+  if (kfull < K) {  // masked tail: zeros contribute nothing
+    const __mmask32 mask = (__mmask32)((1ull << (K - kfull)) - 1);
+    __m512bh wv[ROWS];
+    for (int r = 0; r < nr; r++)
+      wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + r) * K + kfull);
+    for (int j = 0; j < mt; j++) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m0 + j) * K + kfull);
+      for (int r = 0; r < nr; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[r], xv);
+    }
+  }
+  for (int r = 0; r < nr; r++) {
+    const float b = bias != NULL ? bf16_to_f32(bias[n0 + r]) : 0.f;
+    for (int j = 0; j < mt; j++) y[(m0 + j) * N + n0 + r] = to_bf16(_mm512_reduce_add_ps(acc[r][j]) + b);
+  }
+}
+
+static void gemv_bf16_avx512(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                             uint16_t* y, int64_t M, int64_t N, int64_t K, int num_threads) {
+  const int64_t blocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t nb = 0; nb < blocks; nb++) {
+    const int64_t n0 = nb * ROWS;
+    const int nr = N - n0 < ROWS ? (int)(N - n0) : ROWS;
+    const int prefetch = n0 + ROWS + PREFETCH_ROWS <= N;
+    for (int64_t m0 = 0; m0 < M; m0 += COLS) {
+      const int mt = M - m0 < COLS ? (int)(M - m0) : COLS;
+      const int pf = prefetch && m0 == 0;
+      if (nr == ROWS) {  // constant nr/mt: the loops above unroll into registers
+        switch (mt) {
+          case 1: bf16_tile(x, w, bias, y, n0, ROWS, m0, 1, N, K, pf); break;
+          case 2: bf16_tile(x, w, bias, y, n0, ROWS, m0, 2, N, K, pf); break;
+          case 3: bf16_tile(x, w, bias, y, n0, ROWS, m0, 3, N, K, pf); break;
+          default: bf16_tile(x, w, bias, y, n0, ROWS, m0, COLS, N, K, pf);
+        }
+      } else {
+        for (int r = 0; r < nr; r++) bf16_tile(x, w, bias, y, n0 + r, 1, m0, mt, N, K, 0);
+      }
+    }
+  }
+}
+#endif
+
+#ifdef PAGEDLM_AVX512_BF16
+// Blocked weight: wb[nb][p][16][2] = (W[16 nb + i][2 p], W[16 nb + i][2 p + 1]) -- each 64-byte
+// line holds a k pair of 16 output rows, so one vdpbf16ps against the broadcast x pair adds to
+// 16 outputs at once: no horizontal sums, and the weight is one sequential stream per block.
+// NB blocks (16 NB outputs) against MT activation rows per pass.
+static inline __attribute__((always_inline)) void blocked_tile(
+    const uint32_t* x, const uint32_t* wb, const uint16_t* bias, uint16_t* y, int64_t nb0,
+    const int NB, int64_t m0, const int MT, int64_t N, int64_t KP, int prefetch) {
+  __m512 acc[4][8];
+  for (int b = 0; b < NB; b++)
+    for (int m = 0; m < MT; m++) acc[b][m] = _mm512_setzero_ps();
+  const uint32_t* w0 = wb + nb0 * KP * 16;
+  for (int64_t p = 0; p < KP; p++) {
+    __m512bh wv[4];
+    for (int b = 0; b < NB; b++) {
+      wv[b] = (__m512bh)_mm512_loadu_si512(w0 + (b * KP + p) * 16);
+      if (prefetch) _mm_prefetch((const char*)(w0 + ((b + NB) * KP + p) * 16), _MM_HINT_T0);
+    }
+    for (int m = 0; m < MT; m++) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[(m0 + m) * KP + p]);
+      for (int b = 0; b < NB; b++) acc[b][m] = _mm512_dpbf16_ps(acc[b][m], wv[b], xv);
+    }
+  }
+  for (int b = 0; b < NB; b++) {
+    const int64_t n = (nb0 + b) * 16;
+    const __m512 bv = bias != NULL ? load16(bias, n, 1) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; m++) store16(y, (m0 + m) * N + n, _mm512_add_ps(acc[b][m], bv), 1);
+  }
+}
+
+// y[M, N] = x[M, 2 KP] . W^T with W blocked as above (N = 16 * NBLK).
+int gemv_bf16_blocked(const uint16_t* x, const uint16_t* wb, const uint16_t* bias, uint16_t* y,
+                      int64_t M, int64_t NBLK, int64_t KP, int num_threads) {
+  if (M < 1 || NBLK < 1 || KP < 1) return 0;
+  const int64_t N = NBLK * 16;
+  const uint32_t* x32 = (const uint32_t*)x;
+  const uint32_t* w32 = (const uint32_t*)wb;
+  // Passes of up to 8 rows; 4 blocks per step for 1-2 rows (more streams in flight), else 2.
+  const int NB = M <= 2 ? 4 : 2;
+  const int64_t groups = (NBLK + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t nb0 = g * NB;
+    const int nb = NBLK - nb0 < NB ? (int)(NBLK - nb0) : NB;
+    const int pf = nb0 + 2 * NB <= NBLK;
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int mt = M - m0 < 8 ? (int)(M - m0) : 8;
+      if (nb == 4 && mt == 1) blocked_tile(x32, w32, bias, y, nb0, 4, m0, 1, N, KP, pf);
+      else if (nb == 4 && mt == 2) blocked_tile(x32, w32, bias, y, nb0, 4, m0, 2, N, KP, pf);
+      else if (nb == 2) {
+        switch (mt) {
+          case 1: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 1, N, KP, pf && m0 == 0); break;
+          case 2: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 2, N, KP, pf && m0 == 0); break;
+          case 3: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 3, N, KP, pf && m0 == 0); break;
+          case 4: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 4, N, KP, pf && m0 == 0); break;
+          case 5: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 5, N, KP, pf && m0 == 0); break;
+          case 6: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 6, N, KP, pf && m0 == 0); break;
+          case 7: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 7, N, KP, pf && m0 == 0); break;
+          default: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 8, N, KP, pf && m0 == 0);
+        }
+      } else {
+        for (int b = 0; b < nb; b++)
+          for (int m = 0; m < mt; m++) blocked_tile(x32, w32, bias, y, nb0 + b, 1, m0 + m, 1, N, KP, 0);
+      }
+    }
+  }
+  return 1;
+}
+#else
+int gemv_bf16_blocked(const uint16_t* x, const uint16_t* wb, const uint16_t* bias, uint16_t* y,
+                      int64_t M, int64_t NBLK, int64_t KP, int num_threads) {
+  (void)x, (void)wb, (void)bias, (void)y, (void)M, (void)NBLK, (void)KP, (void)num_threads;
+  return 0;
+}
+#endif
+
+// Returns 0 when out of memory (nothing computed), else 1.
+static int gemv_bf16_portable(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                              uint16_t* y, int64_t M, int64_t N, int64_t K, int num_threads) {
+  float* xf = malloc(sizeof(float) * M * K);
+  if (xf == NULL) return 0;
+  for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+  int ok = 1;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* wf = malloc(sizeof(float) * K);
+    if (wf == NULL) {
+#pragma omp atomic write
+      ok = 0;
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; n++) {
+        for (int64_t k = 0; k < K; k++) wf[k] = bf16_to_f32(w[n * K + k]);
+        const float b = bias != NULL ? bf16_to_f32(bias[n]) : 0.f;
+        for (int64_t m = 0; m < M; m++) {
+          const float* xr = xf + m * K;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t k = 0; k < K; k++) s += wf[k] * xr[k];
+          y[m * N + n] = to_bf16(s + b);
+        }
+      }
+      free(wf);
+    }
+  }
+  free(xf);
+  return ok;
+}
+
+// isa: 1 = AVX-512 BF16, 0 = portable. Returns 1 if computed, 0 if that ISA is not compiled
+// in or memory ran out.
+int gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M,
+              int64_t N, int64_t K, int isa, int num_threads) {
+  if (M < 1 || N < 1 || K < 1) return 0;
+  if (isa == 1) {
+#ifdef PAGEDLM_AVX512_BF16
+    gemv_bf16_avx512(x, w, bias, y, M, N, K, num_threads);
+    return 1;
+#else
+    return 0;
+#endif
+  }
+  return gemv_bf16_portable(x, w, bias, y, M, N, K, num_threads);
+}
+
+int gemv_bf16_avx512_compiled(void) {
+#ifdef PAGEDLM_AVX512_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}

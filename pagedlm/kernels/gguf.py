@@ -1,0 +1,127 @@
+"""Wrappers of the quantized-GGUF matmul kernels (csrc/gguf_matmul.c).
+
+- `gguf_gemv`: y = x W^T for decode-sized batches straight from the packed weight, activations
+  quantized to int8 per 32-value block, integer dot products (AVX-512 VNNI, or portable C).
+- `gguf_dequantize_rows`: a tile of W rows as bf16/fp32, for prefill GEMMs on oneDNN.
+- `quantize_rows_q8`: the kernels' activation quantization alone (for the tests).
+
+The layout is `pagedlm.layers.quantization.gguf_pack.PackedGGUFWeight`; its PyTorch twins
+(`dequantize_packed`, `quantize_activations`) are the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedlm.kernels.cpu import _FLOATS, _i64, _int, _ptr, checked, cpu_kernels, declare
+from pagedlm.layers.quantization.gguf_pack import PackedGGUFWeight
+
+declare("gguf_vnni_compiled", [], _int)
+
+
+def gguf_isa() -> str | None:
+    """The fastest quantized GEMV here: "avx512_vnni", "portable", or None (no C kernels)."""
+    lib = cpu_kernels()
+    if lib is None:
+        return None
+    return "avx512_vnni" if lib.gguf_vnni_compiled() else "portable"
+
+
+def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
+    n, k = w.shape
+    subs = k // w.group
+    qs_width = 64 if w.bits == 8 else 32
+    if (w.qh is None) != (w.bits not in (5, 6)):
+        raise ValueError(f"{fn}: {w.bits}-bit weights {'need' if w.qh is None else 'take no'} qh")
+    return (
+        checked(fn, "qs", w.qs, torch.uint8, (n, k // 64, qs_width)),
+        None
+        if w.qh is None
+        else checked(fn, "qh", w.qh, torch.uint8, (n, k // 64, 8 * (w.bits - 4))),
+        checked(fn, "scales", w.scales, torch.float32, (n, subs)),
+        None if w.mins is None else checked(fn, "mins", w.mins, torch.float32, (n, subs)),
+    )
+
+
+# x, qs, qh, scales, mins, bias, y, M, N, K, bits, group, offset, bf16, isa, num_threads
+# -> 1 if computed (0: bad layout, ISA not compiled in, or out of memory)
+declare("gguf_gemv", [_ptr] * 7 + [_i64] * 3 + [_int] * 6, _int)
+
+
+def gguf_gemv(
+    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None, isa: str | None = None
+) -> torch.Tensor | None:
+    """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype; None without C kernels.
+    `isa`: "avx512_vnni" or "portable" (tests); None takes the fastest."""
+    lib = cpu_kernels()
+    if lib is None:
+        return None
+    isa = isa or gguf_isa()
+    fn = "gguf_gemv"
+    n, k = w.shape
+    x = x.contiguous()
+    m = x.shape[0]
+    args = (
+        checked(fn, "x", x, _FLOATS, (m, k)),
+        *_weight_args(fn, w),
+        None if bias is None else checked(fn, "bias", bias.contiguous(), x.dtype, (n,)),
+    )
+    y = x.new_empty(m, n)
+    code = {"avx512_vnni": 1, "portable": 0}[isa]
+    bf16 = int(x.dtype == torch.bfloat16)
+    lay = (w.bits, w.group, w.offset)
+    if not lib.gguf_gemv(*args, y.data_ptr(), m, n, k, *lay, bf16, code, torch.get_num_threads()):
+        raise MemoryError(f"{fn}: out of memory or {isa} not compiled in")
+    return y
+
+
+# qs, qh, scales, mins, N, K, bits, group, offset, n0, n1, out, bf16, num_threads -> 1 if done
+declare(
+    "gguf_dequantize_rows",
+    [_ptr] * 4 + [_i64] * 2 + [_int] * 3 + [_i64] * 2 + [_ptr, _int, _int],
+    _int,
+)
+
+
+def gguf_dequantize_rows(
+    w: PackedGGUFWeight, n0: int, n1: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """W[n0:n1] as `dtype` (bf16/fp32), equal to `dequantize_packed`; None without C kernels."""
+    lib = cpu_kernels()
+    if lib is None:
+        return None
+    n, k = w.shape
+    if not 0 <= n0 < n1 <= n:
+        raise ValueError(f"gguf_dequantize_rows: rows {n0}:{n1} of {n}")
+    out = torch.empty(n1 - n0, k, dtype=dtype)
+    out_ptr = checked("gguf_dequantize_rows", "out", out, _FLOATS)
+    args = _weight_args("gguf_dequantize_rows", w)
+    lay = (w.bits, w.group, w.offset)
+    bf16 = int(dtype == torch.bfloat16)
+    if not lib.gguf_dequantize_rows(
+        *args, n, k, *lay, n0, n1, out_ptr, bf16, torch.get_num_threads()
+    ):
+        raise MemoryError("gguf_dequantize_rows: out of memory")
+    return out
+
+
+declare("quantize_rows_q8", [_ptr, _i64, _i64, _int, _ptr, _ptr], _int)  # x, M, K, bf16, q, d
+
+
+def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x [M, K] -> (int8 [M, K], fp32 [M, K/32]) as the kernels quantize activations."""
+    lib = cpu_kernels()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"quantize_rows_q8: K = {k} is not a multiple of 32")
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32)
+    ptr = checked("quantize_rows_q8", "x", x, _FLOATS)
+    if not lib.quantize_rows_q8(
+        ptr, m, k, int(x.dtype == torch.bfloat16), q.data_ptr(), d.data_ptr()
+    ):
+        raise MemoryError("quantize_rows_q8: out of memory")
+    return q, d

@@ -1,0 +1,229 @@
+"""GGUF linear method: weights stay in their quantized blocks (repacked, `gguf_pack`).
+
+The GGUF loader yields a `GGUFRawTensor` (raw blocks + type + logical shape) for every linear
+weight whose type has a packed kernel, and dequantized tensors for the rest. A layer's
+tensor-parallel `weight_loader` slices either kind (rows, or whole blocks of columns) and
+"copies" it into a `_ShardSink`, which records (row offset, tensor) for the method. After
+loading, consecutive shards of one GGML type are merged into one packed group (fused q/k/v may
+mix types: Qwen2's v_proj is often Q8_0 next to Q5_0 q/k), and `apply` computes each group:
+
+- up to `GEMV_ROWS` rows: the integer GEMV (`kernels.gguf.gguf_gemv`);
+- more rows (prefill): tiles of dequantized rows through oneDNN (F.linear);
+- without C kernels: the PyTorch twin (`dequantize_packed`) then F.linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from pagedlm.kernels import gguf as gguf_kernels
+from pagedlm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.layers.quantization.gguf_pack import (
+    PackedGGUFWeight,
+    can_pack,
+    dequantize_packed,
+    pack_gguf,
+)
+from pagedlm.model_loader.gguf_quants import dequantize
+
+GEMV_ROWS = 16  # up to here the integer GEMV; past it dequantized tiles through oneDNN
+_TILE_VALUES = 1 << 20  # weight values dequantized per prefill tile (2 MB in bf16)
+
+
+class GGUFRawTensor:
+    """A GGUF matrix as raw blocks: `data` uint8 [rows, bytes_per_row], `shape` (rows, cols).
+
+    `narrow` slices rows, or columns in whole blocks, the way the tensor-parallel loaders do.
+    """
+
+    def __init__(self, data: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> None:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        rows, cols = shape
+        if data.dtype != torch.uint8 or tuple(data.shape) != (rows, cols // block * type_size):
+            raise ValueError(f"GGUF raw tensor {tuple(data.shape)} does not hold {shape}")
+        self.data, self.ggml_type, self._shape = data, int(ggml_type), (rows, cols)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._shape)
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFRawTensor:
+        rows, cols = self._shape
+        if dim == 0:
+            return GGUFRawTensor(self.data.narrow(0, start, length), self.ggml_type, (length, cols))
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
+        if start % block or length % block:
+            raise ValueError(
+                f"cannot split a GGUF tensor's columns at {start}:{start + length}: not whole "
+                f"{block}-value blocks (tensor_parallel_size too large for this model?)"
+            )
+        sliced = self.data.narrow(1, start // block * type_size, length // block * type_size)
+        return GGUFRawTensor(sliced, self.ggml_type, (rows, length))
+
+
+class _ShardSink:
+    """Stands in for a layer's weight during loading: `narrow(0, ...)` and `copy_` record
+    where each (raw or dense) checkpoint piece goes, as rows of the output."""
+
+    def __init__(self, shards: list, rows: int, cols: int, offset: int = 0) -> None:
+        self.shards, self.rows, self.cols, self.offset = shards, rows, cols, offset
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.cols))
+
+    @property
+    def data(self) -> _ShardSink:
+        return self
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> _ShardSink:
+        if dim != 0:
+            raise ValueError("GGUF layers take column slices of the checkpoint, not the param")
+        return _ShardSink(self.shards, length, self.cols, self.offset + start)
+
+    def copy_(self, src: GGUFRawTensor | torch.Tensor) -> None:
+        self.shards.append((self.offset, src))
+
+
+@dataclass
+class _Group:
+    """Output rows [offset, offset + rows) computed from one packed weight or a dense one."""
+
+    offset: int
+    rows: int
+    packed: PackedGGUFWeight | None
+    dense: torch.Tensor | None
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    def create_weights(self, layer: nn.Module) -> None:
+        # a meta placeholder: named (so the loader finds it), shaped, and holding nothing
+        placeholder = torch.empty(layer.output_size, layer.input_size, device="meta")
+        layer.weight = nn.Parameter(placeholder, requires_grad=False)
+        layer.gguf_shards = []
+        sink = _ShardSink(layer.gguf_shards, layer.output_size, layer.input_size)
+
+        def weight_loader(param, loaded_weight, shard_id=None) -> None:
+            layer.weight_loader(sink, loaded_weight, shard_id)
+
+        layer.weight.weight_loader = weight_loader
+        layer.packed_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = sorted(layer.gguf_shards, key=lambda s: s[0])
+        del layer.gguf_shards
+        groups = _merge(shards, layer.output_size, layer.input_size, layer.params_dtype)
+        if all(g.dense is not None for g in groups):  # nothing packed: the unquantized path
+            dense = torch.cat([g.dense for g in groups]) if len(groups) > 1 else groups[0].dense
+            layer.weight = nn.Parameter(dense, requires_grad=False)
+            layer.quant_method = UnquantizedLinearMethod()
+            layer.quant_method.process_weights_after_loading(layer)
+            return
+        layer.weight = None
+        layer.gguf_groups = groups
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        outs = []
+        for g in layer.gguf_groups:
+            b = None if bias is None else bias[g.offset : g.offset + g.rows]
+            if g.packed is not None:
+                outs.append(gguf_linear(x2, g.packed, b))
+            else:
+                outs.append(F.linear(x2, g.dense, b))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[_Group]:
+    """Shards (offset, tensor) sorted by offset -> groups; adjacent shards of one GGML type
+    become one packed weight. Every output row must be covered exactly once."""
+    groups: list[_Group] = []
+    pending: list[tuple[int, GGUFRawTensor]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        offset = pending[0][0]
+        packed = [pack_gguf(t.data, t.ggml_type, tuple(t.shape)) for _, t in pending]
+        groups.append(_Group(offset, sum(p.shape[0] for p in packed), _cat_packed(packed), None))
+        pending.clear()
+
+    at = 0
+    for offset, tensor in shards:
+        if offset != at:
+            raise ValueError(f"GGUF layer of {rows} rows: rows {at}..{offset} were not loaded")
+        if isinstance(tensor, GGUFRawTensor) and not can_pack(tensor.ggml_type, tensor.shape):
+            # e.g. a tensor-parallel column shard narrower than a 64-value chunk
+            tensor = dequantize(tensor.data, tensor.ggml_type, tuple(tensor.shape))
+        is_raw = isinstance(tensor, GGUFRawTensor)
+        if pending and (not is_raw or pending[-1][1].ggml_type != tensor.ggml_type):
+            flush()
+        if is_raw:
+            pending.append((offset, tensor))
+        else:
+            flush()
+            dense = tensor.to(dtype).contiguous()
+            groups.append(_Group(offset, dense.shape[0], None, dense))
+        at = offset + tensor.shape[0]
+    flush()
+    if at != rows:
+        raise ValueError(f"GGUF layer of {rows} rows: rows {at}..{rows} were not loaded")
+    merged: list[_Group] = []  # adjacent dense groups into one
+    for g in groups:
+        if merged and g.dense is not None and merged[-1].dense is not None:
+            last = merged[-1]
+            last.dense = torch.cat([last.dense, g.dense])
+            last.rows += g.rows
+        else:
+            merged.append(g)
+    return merged
+
+
+def _cat_packed(parts: list[PackedGGUFWeight]) -> PackedGGUFWeight:
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(name: str) -> torch.Tensor | None:
+        tensors = [getattr(p, name) for p in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    p = parts[0]
+    return PackedGGUFWeight(
+        cat("qs"), cat("qh"), cat("scales"), cat("mins"), p.bits, p.group, p.offset, p.ggml_type
+    )
+
+
+def gguf_linear(
+    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) in x's dtype: integer GEMV for decode-sized M, dequantized
+    tiles through oneDNN otherwise, the PyTorch twin without C kernels."""
+    native = x.dtype in (torch.bfloat16, torch.float32)
+    if native and x.shape[0] <= GEMV_ROWS:
+        y = gguf_kernels.gguf_gemv(x, w, None if bias is None else bias.to(x.dtype))
+        if y is not None:
+            return y
+    n, k = w.shape
+    tile = max(16, _TILE_VALUES // k)
+    outs = []
+    for n0 in range(0, n, tile):
+        n1 = min(n, n0 + tile)
+        wt = gguf_kernels.gguf_dequantize_rows(w, n0, n1, x.dtype) if native else None
+        if wt is None:
+            wt = dequantize_packed(w, slice(n0, n1), x.dtype)
+        outs.append(F.linear(x, wt, None if bias is None else bias[n0:n1]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

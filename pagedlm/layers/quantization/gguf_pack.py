@@ -1,0 +1,247 @@
+"""GGUF quantized weights repacked at load into one layout the matmul kernels read.
+
+Every supported type is written as ``W[n][k] = scale[n][k // G] * (q[n][k] - offset) -
+min[n][k // G]`` with q unsigned and ``bits`` wide, scale/min fp32 per sub-block of G values
+(the products ``d * sub_scale`` that ggml's reference computes, so dequantizing gives exactly
+its float32 values). Per 64-value chunk of a row, q is stored as
+
+* a nibble plane (32 bytes): byte i = ``q[i] & 15 | (q[32 + i] & 15) << 4``, and
+* ``bits - 4`` bit planes (8 bytes each) for 5/6-bit q: bit i of plane p = bit 4 + p of q[i];
+* 8-bit q (Q8_0, stored as q + 128): the 64 bytes as they are.
+
+=====  ====  ==  ======  ====  ====================================
+type   bits  G   offset  min   from the GGUF block
+=====  ====  ==  ======  ====  ====================================
+Q8_0   8     32  128     no    d * q
+Q4_0   4     32  8       no    d * (q - 8)
+Q5_0   5     32  16      no    d * (q - 16)
+Q4_1   4     32  0       -m    d * q + m
+Q5_1   5     32  0       -m    d * q + m
+Q4_K   4     32  0       yes   (d * sc) * q - dmin * mn
+Q5_K   5     32  0       yes   (d * sc) * q - dmin * mn
+Q6_K   6     16  32      no    (d * sc) * (q - 32)
+=====  ====  ==  ======  ====  ====================================
+
+Rows need K % 64 == 0; other shapes and types stay on the dequantized path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+_T = GGMLQuantizationType
+_ROW_CHUNK_VALUES = 1 << 22  # rows repacked per step: keeps the int temporaries small
+
+
+@dataclass
+class PackedGGUFWeight:
+    """A [N, K] weight in the layout above (all tensors contiguous, on the CPU)."""
+
+    qs: torch.Tensor  # uint8 [N, K/64, 32] (bits < 8) or [N, K/64, 64]
+    qh: torch.Tensor | None  # uint8 [N, K/64, 8 * (bits - 4)] for 5/6 bits
+    scales: torch.Tensor  # fp32 [N, K/G]
+    mins: torch.Tensor | None  # fp32 [N, K/G]
+    bits: int
+    group: int
+    offset: int
+    ggml_type: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.qs.shape[1] * 64
+
+    def nbytes(self) -> int:
+        parts = (self.qs, self.qh, self.scales, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()
+
+
+def _cat_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes -> [n, 32]: low nibbles are values 0-15, high nibbles 16-31 (Q4_0 style)."""
+    return torch.cat((qs & 15, qs >> 4), dim=1)
+
+
+def _bits_of(b: torch.Tensor, count: int) -> torch.Tensor:
+    """[n, count / 8] bytes -> [n, count] of 0/1: bit i of the little-endian bit string."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((b[:, :, None] >> shifts) & 1).reshape(b.shape[0], count)
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K 12 scale bytes -> (8 scales, 8 mins) as uint8 (ggml's get_scale_min_k4)."""
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat((lo & 63, (hi & 15) | ((lo >> 6) << 4)), dim=1)
+    mn = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), dim=1)
+    return sc, mn
+
+
+# Per type: raw blocks [n, type_size] -> (q uint8 [n, values], scale fp32 [n, subs],
+# min fp32 [n, subs] or None).
+def _q8_0(b):
+    return (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8), _f16(b[:, :2]), None
+
+
+def _q4_0(b):
+    return _cat_nibbles(b[:, 2:18]), _f16(b[:, :2]), None
+
+
+def _q5_0(b):
+    return _cat_nibbles(b[:, 6:22]) | (_bits_of(b[:, 2:6], 32) << 4), _f16(b[:, :2]), None
+
+
+def _q4_1(b):
+    return _cat_nibbles(b[:, 4:20]), _f16(b[:, :2]), -_f16(b[:, 2:4])
+
+
+def _q5_1(b):
+    q = _cat_nibbles(b[:, 8:24]) | (_bits_of(b[:, 4:8], 32) << 4)
+    return q, _f16(b[:, :2]), -_f16(b[:, 2:4])
+
+
+def _q45_k(b, five: bool):
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dm = _f16(b[:, :4])
+    qs = b[:, 48:176] if five else b[:, 16:144]
+    chunks = qs.reshape(n, 4, 32)  # chunk c: sub-block 2c (low), 2c + 1 (high nibbles)
+    q = torch.stack((chunks & 15, chunks >> 4), dim=2).reshape(n, 8, 32)
+    if five:  # bit j of qh[l] is bit 4 of value l of sub-block j
+        qh = b[:, 16:48]
+        shifts = torch.arange(8, dtype=torch.uint8)
+        q = q | (((qh[:, None, :] >> shifts[None, :, None]) & 1) << 4)
+    return q.reshape(n, 256), dm[:, :1] * sc.float(), dm[:, 1:] * mn.float()
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql = b[:, :128].reshape(n, 2, 64)
+    qh = b[:, 128:192].reshape(n, 2, 32)
+    low = torch.cat((ql & 15, ql >> 4), dim=2)  # [n, 2, 128]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    high = ((qh[:, :, None, :] >> shifts[None, None, :, None]) & 3).reshape(n, 2, 128)
+    q = (low | (high << 4)).reshape(n, 256)
+    scale = _f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()
+    return q, scale, None
+
+
+# type -> (decoder, bits, G, offset)
+_TYPES = {
+    _T.Q8_0: (_q8_0, 8, 32, 128),
+    _T.Q4_0: (_q4_0, 4, 32, 8),
+    _T.Q5_0: (_q5_0, 5, 32, 16),
+    _T.Q4_1: (_q4_1, 4, 32, 0),
+    _T.Q5_1: (_q5_1, 5, 32, 0),
+    _T.Q4_K: (lambda b: _q45_k(b, False), 4, 32, 0),
+    _T.Q5_K: (lambda b: _q45_k(b, True), 5, 32, 0),
+    _T.Q6_K: (_q6_k, 6, 16, 32),
+}
+PACKABLE_TYPES = frozenset(_TYPES)
+
+
+def can_pack(ggml_type: int, shape: tuple[int, ...]) -> bool:
+    """Whether a GGUF tensor of this type and (PyTorch-order) shape keeps its packed form."""
+    try:
+        t = _T(int(ggml_type))
+    except ValueError:
+        return False
+    return t in _TYPES and len(shape) == 2 and shape[1] % 64 == 0 and shape[0] > 0
+
+
+def _planes(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Unpacked q [n, K] uint8 -> (nibble plane or bytes, bit planes) per 64-value chunk."""
+    n, k = q.shape
+    qv = q.reshape(n, k // 64, 64)
+    if bits == 8:
+        return qv.contiguous(), None
+    qs = (qv[..., :32] & 15) | ((qv[..., 32:] & 15) << 4)
+    if bits == 4:
+        return qs.contiguous(), None
+    weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
+    planes = []
+    for p in range(bits - 4):
+        bit = ((qv >> (4 + p)) & 1).reshape(n, k // 64, 8, 8)
+        planes.append((bit * weights).sum(-1, dtype=torch.int32).to(torch.uint8))
+    return qs.contiguous(), torch.cat(planes, dim=-1).contiguous()
+
+
+def pack_gguf(
+    raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, int]
+) -> PackedGGUFWeight:
+    """A GGUF tensor's raw bytes (row-major blocks) -> PackedGGUFWeight of `shape` [N, K]."""
+    t = _T(int(ggml_type))
+    if not can_pack(t, shape):
+        raise ValueError(f"{t.name} tensor of shape {tuple(shape)} cannot be packed (K % 64)")
+    decode, bits, group, offset = _TYPES[t]
+    n, k = shape
+    block, type_size = GGML_QUANT_SIZES[t]
+    data = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(raw))
+    data = data.reshape(-1).view(torch.uint8)
+    if data.numel() != n * k // block * type_size:
+        raise ValueError(f"{t.name} tensor {tuple(shape)}: got {data.numel()} bytes")
+    blocks = data.view(n, k // block, type_size)
+    qs = torch.empty(n, k // 64, 64 if bits == 8 else 32, dtype=torch.uint8)
+    qh = torch.empty(n, k // 64, 8 * (bits - 4), dtype=torch.uint8) if bits in (5, 6) else None
+    scales = torch.empty(n, k // group)
+    mins = None
+    step = max(1, _ROW_CHUNK_VALUES // k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        q, sc, mn = decode(blocks[r0:r1].reshape(-1, type_size))
+        q = q.reshape(r1 - r0, k)
+        qs[r0:r1], h = _planes(q, bits)
+        if qh is not None:
+            qh[r0:r1] = h
+        scales[r0:r1] = sc.reshape(r1 - r0, -1)
+        if mn is not None:
+            if mins is None:
+                mins = torch.empty(n, k // group)
+            mins[r0:r1] = mn.reshape(r1 - r0, -1)
+    return PackedGGUFWeight(qs, qh, scales, mins, bits, group, offset, int(t))
+
+
+def unpack_q(w: PackedGGUFWeight) -> torch.Tensor:
+    """The unsigned quants q [N, K] uint8 (PyTorch twin of the kernels' unpacking)."""
+    n, k = w.shape
+    if w.bits == 8:
+        return w.qs.reshape(n, k)
+    q = torch.cat((w.qs & 15, w.qs >> 4), dim=-1)  # [n, K/64, 64]
+    if w.qh is not None:
+        shifts = torch.arange(8, dtype=torch.uint8)
+        for p in range(w.bits - 4):
+            plane = w.qh[..., 8 * p : 8 * p + 8]
+            bit = ((plane[..., None] >> shifts) & 1).reshape(n, k // 64, 64)
+            q |= bit << (4 + p)
+    return q.reshape(n, k)
+
+
+def dequantize_packed(
+    w: PackedGGUFWeight, rows: slice = slice(None), dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """W[rows] as `dtype`: fp32 ``(q - offset) * scale - min``, ggml's values bit for bit."""
+    q = unpack_q(w)[rows]
+    n, k = q.shape
+    x = (q.to(torch.int32) - w.offset).float().view(n, k // w.group, w.group)
+    x.mul_(w.scales[rows][..., None])
+    if w.mins is not None:
+        x.sub_(w.mins[rows][..., None])
+    return x.view(n, k).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 q [M, K], fp32 d [M, K/32]) per 32-value block: d = amax / 127,
+    q = round-half-even(x * (127 / amax)) -- the kernels' own quantization, op for op."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    amax = xb.abs().amax(-1)
+    # tensor / tensor: a true fp32 division like C's 127.f / amax (python-scalar / tensor is
+    # computed as 127 * (1 / amax) and can round differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).to(torch.int8).view(m, k)
+    return q, amax / 127.0

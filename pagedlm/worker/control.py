@@ -1,0 +1,214 @@
+"""Worker control calls (reached by `collective_rpc` by name): weight transfer and reloads,
+sleep / wake-up of the KV cache and weights, and the torch profiler.
+
+Invariants: a weight update is applied all-or-nothing per `update_weights` call and only
+between `start_weight_update` and `finish_weight_update`; freed KV cache and weight pages
+are returned to the OS (`malloc_trim`) before `sleep` returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedlm.model_loader.reload import discard_weights, weights_missing
+
+logger = logging.getLogger(__name__)
+
+
+class ProfilerAlreadyActiveError(RuntimeError):
+    """start_profile() while a profile is running."""
+
+
+def release_memory_to_os() -> None:
+    """Return freed heap pages to the OS (glibc keeps them otherwise), and cached CUDA
+    blocks to the driver."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class WorkerControlMixin:
+    """Mixed into Worker; expects `vllm_config`, `rank` and `model_runner`."""
+
+    vllm_config: Any
+    rank: int
+    model_runner: Any
+
+    # ---------------------------------------------------------------- weights
+    @property
+    def _model(self) -> torch.nn.Module:
+        assert self.model_runner is not None, "load_model() first"
+        return self.model_runner.model
+
+    def get_weights_generation(self) -> int:
+        return int(getattr(self._model, "weights_generation", 0))
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Incremental, non-strict load of checkpoint-named tensors; returns how many params."""
+        return len(self._model.load_weights(weights))
+
+    def reload_weights(self) -> None:
+        """Load every weight again from the model's checkpoint (e.g. after sleep level 2)."""
+        from pagedlm.model_loader.loader import iterate_checkpoint
+
+        self._model.load_weights(iterate_checkpoint(self.vllm_config.model_config))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from pagedlm.distributed.weight_transfer import WeightTransferEngineFactory
+
+        config = self.vllm_config.weight_transfer_config
+        if config is None:
+            raise ValueError(
+                "Weight transfer is not configured: pass weight_transfer_config="
+                "WeightTransferConfig(backend='ipc' or 'gloo') (or a dict) to LLM(...)."
+            )
+        engine = WeightTransferEngineFactory.create_engine(config, self.vllm_config, self.rank)
+        engine.init_transfer_engine(engine.parse_init_info(dict(init_info or {})))
+        self._shutdown_transfer_engine()
+        self.weight_transfer_engine = engine
+        self._weight_update_active = False
+
+    def _transfer_engine(self) -> Any:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError(
+                "No weight transfer engine: call init_weight_transfer_engine() first."
+            )
+        return engine
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self._transfer_engine()
+        if not is_checkpoint_format:
+            raise NotImplementedError(
+                "start_weight_update(is_checkpoint_format=False) (weights in the engine's "
+                "fused layout) is not supported; send Hugging Face checkpoint names."
+            )
+        if self._weight_update_active:
+            raise RuntimeError(
+                "start_weight_update called while a weight update is already active; call "
+                "finish_weight_update first."
+            )
+        self._weight_update_active = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        engine = self._transfer_engine()
+        if not self._weight_update_active:
+            raise RuntimeError(
+                "update_weights called outside a weight update: call start_weight_update() "
+                "first and finish_weight_update() after the last chunk."
+            )
+        info = engine.parse_update_info(dict(update_info))
+        engine.receive_weights(info, self._model.load_weights)
+
+    def finish_weight_update(self) -> None:
+        self._transfer_engine()
+        if not self._weight_update_active:
+            raise RuntimeError(
+                "finish_weight_update called without a matching start_weight_update."
+            )
+        self._weight_update_active = False
+
+    def _shutdown_transfer_engine(self) -> None:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None:
+            engine.shutdown()
+        self.weight_transfer_engine = None
+        self._weight_update_active = False
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._shutdown_transfer_engine()
+
+    # ------------------------------------------------------------------ sleep
+    def check_weights_present(self) -> None:
+        missing = weights_missing(self._model)
+        if missing:
+            raise RuntimeError(
+                f"The weights were discarded by sleep(level=2) and {len(missing)} are not "
+                f"loaded yet (e.g. {missing[0]}): push them (update_weights / load_weights) "
+                "or call llm.collective_rpc('reload_weights') before generating."
+            )
+
+    def kv_cache_nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.model_runner.kv_caches)
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache (level >= 1) and the weights (level 2); returns bytes freed."""
+        runner = self.model_runner
+        freed = self.kv_cache_nbytes()
+        self._kv_shape = [tuple(c.shape) for c in runner.kv_caches] or getattr(
+            self, "_kv_shape", []
+        )
+        for layer in runner.attn_layers:
+            layer.kv_cache = None
+        runner.kv_caches = []
+        if level >= 2:
+            mapping = getattr(self._model, "stacked_params_mapping", [])
+            freed += discard_weights(self._model, mapping)
+        release_memory_to_os()
+        return freed
+
+    def wake_up_kv_cache(self) -> None:
+        """Allocate the KV cache again, as it was (zeroed; pages mapped when first used)."""
+        from pagedlm.platforms import current_platform
+
+        runner = self.model_runner
+        if runner.kv_caches:
+            return
+        runner.kv_caches = []
+        for layer, shape in zip(runner.attn_layers, self._kv_shape):
+            cache = current_platform.zeros_lazy(shape, self.vllm_config.model_config.dtype)
+            layer.kv_cache = cache
+            runner.kv_caches.append(cache)
+
+    # -------------------------------------------------------------- profiler
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        config = self.vllm_config.profiler_config
+        if config.profiler != "torch":
+            raise RuntimeError(
+                "Profiling is not enabled: pass profiler_config={'profiler': 'torch', "
+                "'torch_profiler_dir': '/path'} to LLM(...) or set VLLM_TORCH_PROFILER_DIR."
+            )
+        if getattr(self, "_profiler", None) is not None:
+            raise ProfilerAlreadyActiveError(
+                "A profile is already running: call stop_profile() first."
+            )
+        profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            record_shapes=config.torch_profiler_record_shapes,
+            with_stack=config.torch_profiler_with_stack,
+            profile_memory=config.torch_profiler_with_memory,
+            with_flops=config.torch_profiler_with_flops,
+        )
+        profiler.start()
+        self._profiler = profiler
+        self._profile_prefix = profile_prefix
+
+    def stop_profile(self) -> str:
+        """Stop and write this rank's Chrome trace; returns its path."""
+        profiler = getattr(self, "_profiler", None)
+        if profiler is None:
+            raise RuntimeError("No profile is running: call start_profile() first.")
+        self._profiler = None
+        profiler.stop()
+        config = self.vllm_config.profiler_config
+        directory = Path(config.torch_profiler_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        prefix = self._profile_prefix or "pagedlm"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        suffix = ".pt.trace.json.gz" if config.torch_profiler_use_gzip else ".pt.trace.json"
+        path = directory / f"{prefix}_rank{self.rank}_pid{os.getpid()}_{stamp}{suffix}"
+        profiler.export_chrome_trace(str(path))
+        logger.info("Profiler trace of rank %d written to %s", self.rank, path)
+        return str(path)

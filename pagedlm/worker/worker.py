@@ -1,0 +1,86 @@
+"""Worker: one rank. Sets up its device and threads, joins the process group, holds the model
+runner, and answers the executor's calls (`collective_rpc` reaches any method here by name).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagedlm.config import VllmConfig
+from pagedlm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.distributed import init_distributed_environment
+from pagedlm.platforms import current_platform
+from pagedlm.worker.control import WorkerControlMixin
+from pagedlm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker(WorkerControlMixin):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+        cpu_ids: list[int] | None = None,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.cpu_ids = cpu_ids
+        self.model_runner: ModelRunner | None = None
+        self.weight_transfer_engine: Any = None
+        self._weight_update_active = False
+        self._profiler: Any = None
+
+    @property
+    def is_driver_worker(self) -> bool:
+        return self.rank == 0
+
+    def init_device(self) -> None:
+        """Threads (pinned in a worker process), the process group, the seed."""
+        current_platform.setup_threads(self.cpu_ids)
+        parallel = self.vllm_config.parallel_config
+        if parallel.world_size > 1:
+            assert self.distributed_init_method is not None
+            init_distributed_environment(
+                parallel.world_size,
+                self.rank,
+                self.distributed_init_method,
+                current_platform.dist_backend,
+            )
+        current_platform.seed_everything(self.vllm_config.model_config.seed)
+
+    def load_model(self) -> None:
+        self.model_runner = ModelRunner(self.vllm_config, current_platform.device)
+
+    def _runner(self) -> ModelRunner:
+        assert self.model_runner is not None, "load_model() first"
+        return self.model_runner
+
+    # ------------------------------------------------------------- KV cache
+    def get_kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return self._runner().get_kv_cache_bytes_per_block(block_size)
+
+    def determine_available_memory(self, utilization: float) -> int:
+        """Bytes this rank may give its KV cache; ranks on one host share its memory."""
+        world = self.vllm_config.parallel_config.world_size
+        return current_platform.kv_cache_budget_bytes(utilization / world)
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self._runner().initialize_kv_cache(num_blocks, block_size)
+
+    # ----------------------------------------------------------------- step
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._runner().execute_model(scheduler_output)
+
+    # -------------------------------------------------------------- control
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> Any:
+        return func(self._runner().model)
+
+    def check_health(self) -> bool:
+        return True

@@ -1,0 +1,106 @@
+"""Quantized linear methods end to end on tiny fp32 models.
+
+- quantization="gguf" (default for GGUF files) on a llama GGUF whose projections mix Q4_0,
+  Q4_1, Q5_0, Q5_1 and Q8_0 (fused q/k/v of two types) and a Q8_0 LM head: the dequantized
+  path's greedy tokens (PAGEDLM_GGUF_DEQUANTIZE=1), logprobs within the activation
+  quantization's effect (these tiny random models have near-flat distributions, so a few
+  sequences may part at near ties, checked as such); under tensor_parallel_size=2 too.
+- quantization="int8": equals transformers running the same checkpoint with every linear
+  weight replaced by its per-channel int8 dequantization (fp32 throughout: logprobs 1e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.layers.quantization.int8 import quantize_per_channel
+from tests.e2e.test_tensor_parallel import _prompts
+from tests.gguf_writer import write_llama_gguf
+from tests.models.test_models_vs_hf import _check_against_hf
+
+MIXED = {
+    "attn_q": T.Q5_0,
+    "attn_k": T.Q5_0,
+    "attn_v": T.Q8_0,
+    "attn_output": T.Q4_1,
+    "ffn_gate": T.Q4_0,
+    "ffn_up": T.Q5_1,
+    "ffn_down": T.Q8_0,
+    "output": T.Q8_0,
+}
+TOP2 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+# per-token logprob difference the int8 activations may cause on these tiny models
+ACTIVATION_QUANT_LOGPROB = 0.05
+
+
+def _generate(model, **kwargs) -> list:
+    llm = LLM(str(model), dtype="float32", max_model_len=128, **kwargs)
+    try:
+        prompts = [{"prompt_token_ids": p} for p in _prompts()]
+        return [o.outputs[0] for o in llm.generate(prompts, TOP2, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _agree(got: list, want: list, tol: float) -> float:
+    """Same greedy tokens with logprobs within `tol`, except that a sequence may part ways at
+    a near tie: where the tokens first differ, both must be within `tol` of the reference's
+    best (its top-2 logprobs). At most half the sequences may do so. Returns the
+    largest logprob difference seen on agreeing tokens."""
+    worst, parted = 0.0, 0
+    for a, b in zip(got, want):
+        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            if ta != tb:
+                ref = b.logprobs[i]
+                assert ta in ref and ref[tb].logprob - ref[ta].logprob < tol, (i, ta, tb)
+                parted += 1
+                break
+            worst = max(worst, abs(a.logprobs[i][ta].logprob - b.logprobs[i][tb].logprob))
+    assert worst < tol and parted <= len(got) // 2
+    return worst
+
+
+@pytest.fixture
+def mixed_gguf(tiny_llama, tmp_path):
+    return write_llama_gguf(tiny_llama, tmp_path / "mixed.gguf", MIXED)
+
+
+def test_gguf_packed_matches_dequantized(tiny_llama, mixed_gguf, monkeypatch) -> None:
+    packed = _generate(mixed_gguf, tokenizer=str(tiny_llama))
+    monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", "1")
+    dequantized = _generate(mixed_gguf, tokenizer=str(tiny_llama))
+    worst = _agree(packed, dequantized, ACTIVATION_QUANT_LOGPROB)
+    assert worst > 0  # the integer kernels ran: int8 activations are not exact
+
+
+def test_gguf_packed_under_tensor_parallel(tiny_llama, mixed_gguf) -> None:
+    """Column shards split rows; row-parallel shards split K into 32-value halves, too narrow
+    for a 64-value chunk, so those are dequantized (exact): within the same tolerance."""
+    want = _generate(mixed_gguf, tokenizer=str(tiny_llama))
+    got = _generate(mixed_gguf, tokenizer=str(tiny_llama), tensor_parallel_size=2)
+    _agree(got, want, ACTIVATION_QUANT_LOGPROB)
+
+
+def test_int8_matches_transformers_on_fake_quantized_weights(
+    tiny_qwen2, tmp_path, monkeypatch
+) -> None:
+    """Our int8 run of the original checkpoint against transformers on a copy whose linear
+    weights (not the LM head, which stays dense) are their int8 dequantizations."""
+    import tests.models.test_models_vs_hf as reference
+
+    fake = tmp_path / "fake-int8"
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and name != "lm_head":
+                q, scale = quantize_per_channel(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+    model.save_pretrained(fake, safe_serialization=True)
+    hf_greedy = reference._hf_greedy
+    monkeypatch.setattr(reference, "_hf_greedy", lambda _dir, prompts: hf_greedy(fake, prompts))
+    _check_against_hf(tiny_qwen2, quantization="int8")

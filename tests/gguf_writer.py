@@ -1,0 +1,80 @@
+"""Write a Hugging Face llama checkpoint as a GGUF file the way llama.cpp's converter does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The row permutation llama.cpp's converter applies to llama q/k projections."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_llama_gguf(
+    model_dir: Path, path: Path, quant: dict[str, gguf.GGMLQuantizationType] | None = None
+) -> Path:
+    """A GGUF of the llama checkpoint in `model_dir` (tokenizer: placeholder tokens): F32,
+    except projections whose GGUF name part (e.g. "attn_v") is in `quant`, stored as that
+    type (as llama.cpp's quantizer mixes types: Q4_K_M keeps attn_v at a higher precision)."""
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    for name, tensor in model.state_dict().items():
+        data = tensor.numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            part, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_NAMES[part]}.{kind}"
+            if part == "self_attn.q_proj":
+                data = llama_cpp_permute(data, cfg.num_attention_heads)
+            elif part == "self_attn.k_proj":
+                data = llama_cpp_permute(data, cfg.num_key_value_heads)
+        qtype = (quant or {}).get(gguf_name.split(".")[-2])
+        if qtype is not None:
+            raw = gguf.quants.quantize(np.ascontiguousarray(data), qtype)
+            writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

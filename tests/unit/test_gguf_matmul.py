@@ -1,0 +1,149 @@
+"""Quantized GGUF matmuls (pagedlm.kernels.gguf) against dequantize-then-matmul.
+
+Oracles, on random blocks of every packable type:
+- repacking loses nothing: the packed weight dequantizes (PyTorch twin and C kernel) to
+  exactly gguf_quants.dequantize's float32 values;
+- the C activation quantizer equals its PyTorch twin bit for bit;
+- y = x W^T from the integer kernels equals, in float64, dequant(W) @ dequant(quant(x))^T up
+  to fp32 rounding: |err| <= 2^-20 * (|W| @ |xq|^T) (K <= 4096 terms, fp32 eps 2^-24);
+- against the unquantized activations the only extra error is quantizing x: per element at
+  most half a step d / 2 of its 32-block, so |y - W x| <= sum_k |W_nk| d(k) / 2 + the above.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pagedlm.kernels import gguf as kg
+from pagedlm.kernels.cpu import cpu_kernels
+from pagedlm.layers.quantization.gguf_pack import (
+    PACKABLE_TYPES,
+    can_pack,
+    dequantize_packed,
+    pack_gguf,
+    quantize_activations,
+)
+from pagedlm.model_loader.gguf_quants import dequantize
+from tests.unit.test_gguf_quants import FP16_FIELDS, random_blocks
+
+T = GGMLQuantizationType
+TYPES = sorted(PACKABLE_TYPES, key=int)
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler")
+ISAS = ["portable"] + (["avx512_vnni"] if kg.gguf_isa() == "avx512_vnni" else [])
+
+
+def _raw(t: GGMLQuantizationType, n: int, k: int, seed: int, moderate: bool) -> np.ndarray:
+    """Random blocks; `moderate`: fp16 scale fields ~0.01 (matmul tests), else any finite."""
+    block = GGML_QUANT_SIZES[t][0]
+    raw = random_blocks(t, n * k // block, seed)
+    if moderate:
+        rng = np.random.default_rng(seed + 1)
+        for off in FP16_FIELDS[t]:
+            vals = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
+            raw[:, off : off + 2] = vals.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_packed_weight_dequantizes_to_ggml_values_exactly(t) -> None:
+    n, k = 24, 512
+    raw = _raw(t, n, k, int(t), moderate=False)
+    want = dequantize(raw, t, (n, k))
+    w = pack_gguf(raw, t, (n, k))
+    assert w.shape == (n, k)
+    assert torch.equal(dequantize_packed(w).view(torch.int32), want.view(torch.int32))
+    if cpu_kernels() is not None:
+        got = kg.gguf_dequantize_rows(w, 3, 20, torch.float32)
+        assert torch.equal(got.view(torch.int32), want[3:20].view(torch.int32))
+        got16 = kg.gguf_dequantize_rows(w, 0, n, torch.bfloat16)
+        assert torch.equal(got16, want.bfloat16())
+
+
+def test_can_pack_rules() -> None:
+    assert can_pack(T.Q4_K, (16, 256)) and can_pack(T.Q8_0, (3, 64))
+    assert not can_pack(T.Q8_0, (3, 96))  # K % 64
+    assert not can_pack(T.Q2_K, (16, 256))  # type without a packed kernel
+    assert not can_pack(T.F16, (16, 256))
+    assert not can_pack(T.Q8_0, (64,))  # not a matrix
+    with pytest.raises(ValueError, match="cannot be packed"):
+        pack_gguf(np.zeros(3 * 34 * 3, np.uint8), T.Q8_0, (3, 96))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(12))
+def test_activation_quantizer_matches_torch_twin(dtype, seed) -> None:
+    """Bit for bit, ties included (x = amax / 2 gives exactly 63.5: half to even)."""
+    x = (torch.randn(5, 256, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+    x[3, 64:66] = torch.tensor([6.53125, -3.265625])
+    x[1, :32] = 0  # an all-zero block: d = 0, q = 0
+    x[2, 40] = 1e4  # one large value in a block
+    q, d = kg.quantize_rows_q8(x)
+    qt, dt = quantize_activations(x)
+    assert torch.equal(q, qt) and torch.equal(d, dt)
+    assert d[1, 0] == 0 and (q[1, :32] == 0).all()
+
+
+def _case(t: GGMLQuantizationType, m: int, n: int, k: int):
+    w = pack_gguf(_raw(t, n, k, int(t) + m, moderate=True), t, (n, k))
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen) * 2
+    x[0, :32] = 0
+    bias = torch.randn(n, generator=gen)
+    return w, x, bias
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 9, 17])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_quantized_gemv_equals_dequantized_matmul(t, m, isa) -> None:
+    n, k = 40, 768
+    w, x, bias = _case(t, m, n, k)
+    wd = dequantize_packed(w).double()
+    q, d = quantize_activations(x)
+    xq = (q.double().view(m, k // 32, 32) * d.double()[..., None]).view(m, k)
+    want = xq @ wd.T + bias.double()
+    fp32_bound = (xq.abs() @ wd.abs().T) * 2**-20 + 1e-6
+    got = kg.gguf_gemv(x, w, bias, isa=isa)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got.double() - want).abs() <= fp32_bound).all()
+    # against unquantized activations: half a quantization step per element, at most
+    step = d.double().repeat_interleave(32, dim=1) / 2  # [m, k]
+    act_bound = step @ wd.abs().T + fp32_bound
+    exact = x.double() @ wd.T + bias.double()
+    assert ((got.double() - exact).abs() <= act_bound).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_quantized_gemv_bf16_rounds_once(t) -> None:
+    """bf16 in and out: the fp32 result of the same bf16 activations, rounded to bf16."""
+    w, x, bias = _case(t, 3, 32, 256)
+    xb, bb = x.bfloat16(), bias.bfloat16()
+    got = kg.gguf_gemv(xb, w, bb)
+    want = kg.gguf_gemv(xb.float(), w, bb.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-8)
+
+
+@needs_kernels
+def test_kernel_boundary_rejects_wrong_dtypes_and_shapes() -> None:
+    w, x, bias = _case(T.Q5_0, 2, 16, 128)
+    with pytest.raises(TypeError, match="scales must be torch.float32"):
+        w.scales = w.scales.double()
+        kg.gguf_gemv(x, w, None)
+    w, x, bias = _case(T.Q5_0, 2, 16, 128)
+    with pytest.raises(TypeError, match="qs must be torch.uint8"):
+        w.qs = w.qs.to(torch.int32)
+        kg.gguf_gemv(x, w, None)
+    w, x, bias = _case(T.Q5_0, 2, 16, 128)
+    with pytest.raises(ValueError, match="x has shape"):
+        kg.gguf_gemv(x[:, :64], w, None)
+    with pytest.raises(ValueError, match="bias has shape"):
+        kg.gguf_gemv(x, w, bias[:8])
+    with pytest.raises(TypeError, match="bias must be torch.float32"):
+        kg.gguf_gemv(x, w, bias.bfloat16())
