@@ -53,21 +53,20 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         errors = {{}}
         for name, call in [
             ("lora", lambda: LLM({str(tiny_qwen2)!r}, enable_lora=True)),
-            ("tp", lambda: LLM({str(tiny_qwen2)!r}, tensor_parallel_size=2)),
-            ("json", lambda: llm.generate("x", SamplingParams(
-                structured_outputs=StructuredOutputsParams(json={{"type": "object"}})),
-                use_tqdm=False)),
+            ("pp", lambda: LLM({str(tiny_qwen2)!r}, pipeline_parallel_size=2)),
             ("lora_request", lambda: llm.generate("x", SamplingParams(max_tokens=1),
                 lora_request=LoRARequest("a", 1, "/nowhere"), use_tqdm=False)),
             ("missing", lambda: vllm.initialize_ray_cluster),
-            ("sleep", lambda: LLM({str(tiny_qwen2)!r}, enable_sleep_mode=True)),
             ("impl", lambda: LLM({str(tiny_qwen2)!r}, model_impl="transformers")),
         ]:
             try:
                 call()
             except Exception as e:
                 errors[name] = type(e).__name__ + ": " + str(e)
+        choice = llm.generate("x", SamplingParams(max_tokens=4, temperature=0,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"])), use_tqdm=False)
         print(json.dumps(dict(
+            choice=choice[0].outputs[0].text,
             same=same, version=md.version("vllm"), dunder=vllm.__version__,
             isinstance=isinstance(outs[0], RequestOutput), errors=errors,
             chat=resolve_hf_chat_template(tok, None, None) == tok.chat_template,
@@ -83,12 +82,9 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
     assert got["pagedlm_file"].startswith(str(REPO))
     errs = got["errors"]
     assert errs["lora"].startswith("NotImplementedError: enable_lora=True is not supported")
-    assert errs["tp"].startswith("NotImplementedError: tensor_parallel_size=2")
-    assert (
-        errs["json"] == "NotImplementedError: Structured outputs are not supported by pagedlm yet."
-    )
+    assert errs["pp"].startswith("NotImplementedError: pipeline_parallel_size=2")
+    assert got["choice"] in ("yes", "no")  # structured outputs through the alias's params
     assert errs["lora_request"].startswith("ValueError: Got lora_request")
-    assert errs["sleep"].startswith("NotImplementedError: enable_sleep_mode=True")
     assert errs["impl"].startswith("NotImplementedError: model_impl='transformers'")
     assert errs["missing"].startswith("AttributeError: vllm.initialize_ray_cluster is not provided")
 
