@@ -36,6 +36,8 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.distributed import cleanup_dist_env_and_memory
         from vllm.utils.network_utils import get_ip, get_open_port
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
         from vllm.exceptions import VLLMValidationError
         from vllm.logprobs import Logprob
         import pagedlm.engine.async_llm as a, pagedlm.outputs as o
@@ -57,7 +59,10 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             ("lora_request", lambda: llm.generate("x", SamplingParams(max_tokens=1),
                 lora_request=LoRARequest("a", 1, "/nowhere"), use_tqdm=False)),
             ("missing", lambda: vllm.initialize_ray_cluster),
+            ("nccl", lambda: NCCLWeightTransferEngine()),
             ("impl", lambda: LLM({str(tiny_qwen2)!r}, model_impl="transformers")),
+            ("ext_tp", lambda: LLM({str(tiny_qwen2)!r}, tensor_parallel_size=2,
+                distributed_executor_backend="external_launcher")),
         ]:
             try:
                 call()
@@ -85,6 +90,10 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
     assert errs["pp"].startswith("NotImplementedError: pipeline_parallel_size=2")
     assert got["choice"] in ("yes", "no")  # structured outputs through the alias's params
     assert errs["lora_request"].startswith("ValueError: Got lora_request")
+    assert errs["ext_tp"].startswith(
+        "NotImplementedError: distributed_executor_backend='external_launcher' with"
+    )
+    assert errs["nccl"].startswith("ValueError: Invalid weight transfer backend: 'nccl'")
     assert errs["impl"].startswith("NotImplementedError: model_impl='transformers'")
     assert errs["missing"].startswith("AttributeError: vllm.initialize_ray_cluster is not provided")
 
