@@ -67,12 +67,14 @@ _HELP: dict[str, str] = {
     "data_parallel_size": "Data-parallel engines are separate processes: see "
     "examples/data_parallel.py (VLLM_DP_RANK / VLLM_DP_SIZE).",
     "distributed_executor_backend": "uni (in this process) or mp (one process per rank; the "
-    "default when tensor_parallel_size > 1).",
+    "default when tensor_parallel_size > 1); external_launcher (one engine in each calling "
+    "process) only with tensor_parallel_size=1, where it means uni.",
     "prefix_caching_hash_algo": "sha256 (the only one supported).",
     "speculative_config": 'JSON dict: {"method": "ngram", "num_speculative_tokens": 3, '
     '"prompt_lookup_max": 4} or {"method": "draft_model", "model": ..., ...}.',
     "async_scheduling": "Refused when true: the CPU engine schedules synchronously.",
     "compilation_config": "Refused unless empty: pagedlm runs the model eagerly.",
+    "model_impl": "auto or vllm: pagedlm's own model implementations (not transformers).",
     "enable_sleep_mode": "Allow LLM.sleep(level=1|2): free the KV cache (and weights).",
     "weight_transfer_config": 'JSON dict or WeightTransferConfig: {"backend": "ipc"|"gloo"} '
     "for RL weight updates (init_weight_transfer_engine / update_weights).",
@@ -87,9 +89,10 @@ _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "enforce_eager": (True,),
     "prefix_caching_hash_algo": ("sha256",),
     "async_scheduling": (None, False),
-    "distributed_executor_backend": (None, "uni", "mp"),
+    "distributed_executor_backend": (None, "uni", "mp", "external_launcher"),
     "quantization": (None, "gguf", "int8"),
     "compilation_config": (None, 0, {}),
+    "model_impl": ("auto", "vllm"),
 }
 
 # Options vLLM has that we accept only at their default value; anything else is rejected clearly.
@@ -163,6 +166,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     compilation_config: Any = None
     enable_sleep_mode: bool = False
+    model_impl: str = "auto"
     weight_transfer_config: Any = None
     profiler_config: Any = None
     structured_outputs_config: dict[str, Any] | None = None
@@ -400,6 +404,15 @@ class EngineArgs:
                 "must divide one another (KV heads are replicated when fewer than ranks)."
             )
         backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+        if backend == "external_launcher":
+            # One engine per caller process (TRL colocate): with one rank that is the in-process
+            # executor; ranks sharing the caller's process group are not implemented.
+            if tp > 1:
+                raise NotImplementedError(
+                    "distributed_executor_backend='external_launcher' with "
+                    "tensor_parallel_size > 1 is not supported by pagedlm (use 'mp')."
+                )
+            backend = "uni"
         if backend == "uni" and tp > 1:
             raise ValueError(
                 "distributed_executor_backend='uni' runs one rank; tensor_parallel_size > 1 "

@@ -35,6 +35,9 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         from vllm.v1.metrics.reader import Counter
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.distributed import cleanup_dist_env_and_memory
+        from vllm.utils.network_utils import get_ip, get_open_port
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
         from vllm.exceptions import VLLMValidationError
         from vllm.logprobs import Logprob
         import pagedlm.engine.async_llm as a, pagedlm.outputs as o
@@ -52,38 +55,46 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         errors = {{}}
         for name, call in [
             ("lora", lambda: LLM({str(tiny_qwen2)!r}, enable_lora=True)),
-            ("tp", lambda: LLM({str(tiny_qwen2)!r}, tensor_parallel_size=2)),
-            ("json", lambda: llm.generate("x", SamplingParams(
-                structured_outputs=StructuredOutputsParams(json={{"type": "object"}})),
-                use_tqdm=False)),
+            ("pp", lambda: LLM({str(tiny_qwen2)!r}, pipeline_parallel_size=2)),
             ("lora_request", lambda: llm.generate("x", SamplingParams(max_tokens=1),
                 lora_request=LoRARequest("a", 1, "/nowhere"), use_tqdm=False)),
             ("missing", lambda: vllm.initialize_ray_cluster),
+            ("nccl", lambda: NCCLWeightTransferEngine()),
+            ("impl", lambda: LLM({str(tiny_qwen2)!r}, model_impl="transformers")),
+            ("ext_tp", lambda: LLM({str(tiny_qwen2)!r}, tensor_parallel_size=2,
+                distributed_executor_backend="external_launcher")),
         ]:
             try:
                 call()
             except Exception as e:
                 errors[name] = type(e).__name__ + ": " + str(e)
+        choice = llm.generate("x", SamplingParams(max_tokens=4, temperature=0,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"])), use_tqdm=False)
         print(json.dumps(dict(
+            choice=choice[0].outputs[0].text,
             same=same, version=md.version("vllm"), dunder=vllm.__version__,
             isinstance=isinstance(outs[0], RequestOutput), errors=errors,
             chat=resolve_hf_chat_template(tok, None, None) == tok.chat_template,
             file=vllm.__file__, pagedlm_file=pagedlm.__file__,
+            port=0 < get_open_port() < 65536 and bool(get_ip()),
         )))
         """
     )
     got = json.loads(out.strip().splitlines()[-1])
     assert all(got["same"]), got["same"]
     assert got["version"] == got["dunder"] == "0.19.0+pagedlm"
-    assert got["isinstance"] and got["chat"]
+    assert got["isinstance"] and got["chat"] and got["port"]
     assert got["pagedlm_file"].startswith(str(REPO))
     errs = got["errors"]
     assert errs["lora"].startswith("NotImplementedError: enable_lora=True is not supported")
-    assert errs["tp"].startswith("NotImplementedError: tensor_parallel_size=2")
-    assert (
-        errs["json"] == "NotImplementedError: Structured outputs are not supported by pagedlm yet."
-    )
+    assert errs["pp"].startswith("NotImplementedError: pipeline_parallel_size=2")
+    assert got["choice"] in ("yes", "no")  # structured outputs through the alias's params
     assert errs["lora_request"].startswith("ValueError: Got lora_request")
+    assert errs["ext_tp"].startswith(
+        "NotImplementedError: distributed_executor_backend='external_launcher' with"
+    )
+    assert errs["nccl"].startswith("ValueError: Invalid weight transfer backend: 'nccl'")
+    assert errs["impl"].startswith("NotImplementedError: model_impl='transformers'")
     assert errs["missing"].startswith("AttributeError: vllm.initialize_ray_cluster is not provided")
 
 
