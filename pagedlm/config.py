@@ -158,6 +158,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+    # KV slots reserved past the scheduled tokens (a draft model writes its drafts' KV there)
+    num_lookahead_tokens: int = 0
 
 
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
@@ -212,7 +214,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-_SPEC_METHODS = ("ngram",)  # "draft_model": not yet (refused by name)
+_SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -230,6 +232,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
+    draft_model_config: ModelConfig | None = None  # resolved from `model` by EngineArgs
 
     @staticmethod
     def from_dict(config: dict[str, Any]) -> SpeculativeConfig:

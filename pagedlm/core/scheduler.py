@@ -166,7 +166,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            num_slots = num_new + self._lookahead(request.num_computed_tokens + num_new)
+            while self.kv_cache_manager.allocate_slots(request, num_slots) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
@@ -255,7 +256,11 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             allocated = self.kv_cache_manager.allocate_slots(
-                request, num_new, hits, num_hit_tokens, num_tokens_must_fit=request.num_tokens
+                request,
+                num_new + self._lookahead(num_hit_tokens + num_new),
+                hits,
+                num_hit_tokens,
+                num_tokens_must_fit=request.num_tokens,
             )
             if allocated is None:
                 break
@@ -272,6 +277,11 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _lookahead(self, end: int) -> int:
+        """KV slots past position `end` (this step's last + 1) that a draft model will write,
+        within the model's positions."""
+        return max(0, min(self.config.num_lookahead_tokens, self.max_model_len - end))
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

@@ -332,6 +332,11 @@ class EngineArgs:
             if pooling:
                 raise ValueError("speculative decoding needs a generative model")
             speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if speculative_config.method == "draft_model":
+                speculative_config.draft_model_config = self._draft_model_config(
+                    speculative_config, model_config, parallel_config
+                )
+                scheduler_config.num_lookahead_tokens = speculative_config.num_speculative_tokens
             if self.return_sampling_mask:
                 raise ValueError("return_sampling_mask is not supported with speculative decoding.")
         return VllmConfig(
@@ -362,6 +367,39 @@ class EngineArgs:
             return WeightTransferConfig(**value)
         except TypeError as e:
             raise ValueError(f"Invalid weight_transfer_config: {e}") from e
+
+    def _draft_model_config(
+        self, spec: SpeculativeConfig, target: ModelConfig, parallel: ParallelConfig
+    ) -> ModelConfig:
+        """The draft model: same tokenizer, vocabulary, dtype and length limit as the target."""
+        from pagedlm.model_loader.resolve import load_hf_config, resolve_model
+
+        if parallel.world_size > 1:
+            raise NotImplementedError(
+                "speculative decoding with a draft model under tensor parallelism is not "
+                "supported by pagedlm yet (n-gram drafts are)."
+            )
+        assert spec.model is not None
+        resolved = resolve_model(spec.model, revision=None, hf_token=self.hf_token)
+        hf_config = load_hf_config(resolved, trust_remote_code=self.trust_remote_code)
+        if int(hf_config.vocab_size) != target.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({hf_config.vocab_size} tokens) differs from the "
+                f"target's ({target.vocab_size}): a draft model must share the tokenizer."
+            )
+        if derive_max_model_len(hf_config) < target.max_model_len:
+            raise ValueError(
+                f"the draft model allows {derive_max_model_len(hf_config)} positions, fewer than "
+                f"max_model_len={target.max_model_len}; pass a smaller --max-model-len."
+            )
+        return dataclasses.replace(
+            target,
+            model=spec.model,
+            model_path=resolved.path,
+            hf_config=hf_config,
+            gguf_file=resolved.gguf_file,
+            quantization=self.resolve_quantization(resolved.gguf_file is not None),
+        )
 
     def resolve_quantization(self, is_gguf: bool) -> str | None:
         """GGUF files default to "gguf" (PAGEDLM_GGUF_DEQUANTIZE=1: dequantized at load

@@ -24,6 +24,7 @@ from pagedlm.forward_context import set_forward_context
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.model_loader.loader import get_model
+from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagedlm.spec_decode.rejection_sampler import verify_greedy, verify_random
 from pagedlm.structured_output.bitmask import grammar_rows
@@ -53,7 +54,11 @@ class ModelRunner:
         self.block_size = vllm_config.cache_config.block_size
         self.input_batch = self._new_input_batch()
         spec = vllm_config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.proposer = DraftModelProposer(vllm_config, device)
+        elif spec is not None:
+            self.proposer = NgramProposer(spec)
 
     def _new_input_batch(self) -> InputBatch:
         max_len = self.model_config.max_model_len
@@ -70,9 +75,12 @@ class ModelRunner:
         return kv_cache_torch_dtype(kv_cache_dtype, self.model_config.dtype)
 
     def get_kv_cache_bytes_per_block(self, block_size: int) -> int:
-        itemsize = self._kv_cache_dtype().itemsize
-        return sum(
-            2 * block_size * layer.num_kv_heads * layer.head_size * itemsize
+        dtype = self._kv_cache_dtype()
+        draft = 0
+        if isinstance(self.proposer, DraftModelProposer):  # its KV lives in the same blocks
+            draft = self.proposer.get_kv_cache_bytes_per_block(block_size, dtype)
+        return draft + sum(
+            2 * block_size * layer.num_kv_heads * layer.head_size * dtype.itemsize
             for layer in self.attn_layers
         )
 
@@ -93,6 +101,8 @@ class ModelRunner:
             layer.kv_cache = cache
             layer.calculate_kv_scales = self.vllm_config.cache_config.calculate_kv_scales
             self.kv_caches.append(cache)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.initialize_kv_cache(num_blocks, block_size, self._kv_cache_dtype())
 
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
@@ -112,6 +122,8 @@ class ModelRunner:
                 kwargs["token_type_ids"] = torch.from_numpy(inputs.token_type_ids).to(device)
         with set_forward_context(attn_metadata):
             hidden_states = self.model(input_ids, positions, **kwargs)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.prefill(input_ids, positions, attn_metadata)
 
         self._prompt_logprobs(inputs, hidden_states, output)
         if self.is_driver:
@@ -201,7 +213,10 @@ class ModelRunner:
             else:
                 if probs is None:
                     probs = self.sampler.target_probs(logits, metadata)
-                tokens = verify_random(probs[start:end], drafts, state.generator)
+                draft_probs = None
+                if isinstance(self.proposer, DraftModelProposer):
+                    draft_probs = self.proposer.pop_draft_probs(state.req_id)
+                tokens = verify_random(probs[start:end], drafts, state.generator, draft_probs)
             output.sampled_token_ids[state.req_id] = tokens
             k = self._num_logprobs(state)
             if k is not None:
@@ -215,6 +230,19 @@ class ModelRunner:
         if self.model_config.return_sampling_mask:  # masks are per sampled position
             return
         batch = self.input_batch
+        if isinstance(self.proposer, DraftModelProposer):
+            states = inputs.sampling_states
+            output.spec_token_ids.update(
+                self.proposer.propose(
+                    batch,
+                    inputs.sampling_rows.tolist(),
+                    states,
+                    [output.sampled_token_ids.get(s.req_id, []) for s in states],
+                    self.attn_backend,
+                    self.model_config.logprobs_mode,
+                )
+            )
+            return
         for row, state in zip(inputs.sampling_rows.tolist(), inputs.sampling_states):
             new = output.sampled_token_ids.get(state.req_id)
             if not new or not can_speculate(state):

@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram drafts): greedy outputs identical to plain decoding under any
-scheduling, sampled outputs keep the target distribution (rejection sampling, chi-square),
-stop conditions are checked over every accepted token, metrics count drafts."""
+"""Speculative decoding (n-gram drafts and a draft model): greedy outputs identical to plain
+decoding under any scheduling, sampled outputs keep the target distribution (rejection
+sampling, chi-square), stop conditions are checked over every accepted token, metrics count
+drafts."""
 
 from __future__ import annotations
 
@@ -75,6 +76,46 @@ def test_verify_random_keeps_the_target_distribution() -> None:
         assert abs(second[token] / accepted - p) < 0.02
 
 
+def test_verify_random_with_a_draft_distribution() -> None:
+    """Drafts drawn from q, accepted with min(1, p/q), residual max(p - q, 0): output ~ p."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    generator = torch.Generator().manual_seed(1)
+    counts = collections.Counter()
+    trials = 20_000
+    for _ in range(trials):
+        draft = int(torch.multinomial(q[0], 1, generator=generator))
+        counts[verify_random(p, [draft], generator, q)[0]] += 1
+    for token, want in enumerate(p[0].tolist()):
+        assert abs(counts[token] / trials - want) < 0.015
+
+
+def _draft_config(model) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+
+
+def test_draft_model_greedy_identical(tiny_qwen2, tiny_model_factory) -> None:
+    want = _greedy(tiny_qwen2)
+    # the target as its own draft: every draft is accepted
+    tokens, logprobs, llm = _greedy(
+        tiny_qwen2,
+        speculative_config=_draft_config(tiny_qwen2),
+        num_gpu_blocks_override=24,
+        block_size=8,
+        max_num_batched_tokens=24,
+    )
+    assert tokens == want[0]
+    for a, b in zip(logprobs, want[1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    metrics = {m.name: m for m in llm.get_metrics() if "spec_decode" in m.name}
+    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == (
+        metrics["vllm:spec_decode_num_draft_tokens"].value
+    ) > 0
+    # a different (1-layer) draft model: fewer accepted, the same tokens
+    other = tiny_model_factory("qwen2", num_hidden_layers=1)
+    assert _greedy(tiny_qwen2, speculative_config=_draft_config(other))[0] == want[0]
+
+
 def test_greedy_identical_with_and_without_spec_decode(tiny_qwen2) -> None:
     want = _greedy(tiny_qwen2)
     got = _greedy(tiny_qwen2, speculative_config=NGRAM)
@@ -132,11 +173,12 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_qwen2) -> None:
         return [collections.Counter(o.outputs[0].token_ids[pos] for o in outs) for pos in (1, 2)]
 
     plain = histograms()
-    spec = histograms(speculative_config=NGRAM)
-    for a, b in zip(plain, spec):
-        tokens = sorted(set(a) | set(b))
-        table = [[a[t] for t in tokens], [b[t] for t in tokens]]
-        assert chi2_contingency(table).pvalue > 1e-4
+    draft = {"method": "draft_model", "model": str(tiny_qwen2), "num_speculative_tokens": 2}
+    for spec in (histograms(speculative_config=NGRAM), histograms(speculative_config=draft)):
+        for a, b in zip(plain, spec):
+            tokens = sorted(set(a) | set(b))
+            table = [[a[t] for t in tokens], [b[t] for t in tokens]]
+            assert chi2_contingency(table).pvalue > 1e-4
 
 
 def test_options_and_aliases(tiny_qwen2) -> None:
@@ -147,5 +189,5 @@ def test_options_and_aliases(tiny_qwen2) -> None:
         llm.generate("hi", SamplingParams(min_p=0.1), use_tqdm=False)
     with pytest.raises(NotImplementedError, match="eagle"):
         LLM(str(tiny_qwen2), speculative_config={"method": "eagle", "model": "x"})
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        LLM(str(tiny_qwen2), spec_model=str(tiny_qwen2))
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        LLM(str(tiny_qwen2), spec_model=str(tiny_qwen2), tensor_parallel_size=2)
