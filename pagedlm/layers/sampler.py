@@ -210,6 +210,12 @@ class Sampler:
         """The distribution random rows draw from."""
         return cls.filtered_logits(logits, md).softmax(-1)
 
+    def processed_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """[rows, vocab] fp32: the logits each row's token is drawn from, as `logprobs_mode`
+        processed_* reports them (see `sample`)."""
+        logits = self.apply_penalties(self.apply_logits_processors(logits.float(), md), md)
+        return logits if md.all_greedy else self.filtered_logits(logits, md)
+
     def target_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """[rows, vocab] fp32: what `__call__` would sample each random row from."""
         logits = self.apply_penalties(self.apply_logits_processors(logits.float(), md), md)

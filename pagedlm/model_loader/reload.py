@@ -1,16 +1,19 @@
 """Weights after loading: finalize once, then update incrementally, discard and restore.
 
 Invariants:
-- `finalize_weights` records every parameter's `weight_loader` and dense shape/dtype *before*
-  `process_weights_after_loading` replaces some with prepacked layouts (which carry no
-  loader), then marks the model `weights_finalized`.
-- An incremental update stages every touched parameter as a dense copy, loads all given
-  tensors into the copies, and only then commits them; any error leaves the serving weights
-  untouched. Commit copies in place where the parameter is dense (tied weights stay tied) and
-  replaces prepacked ones; every module whose `process_weights_after_loading` reads a touched
-  parameter runs it again, so derived copies (oneDNN prepacks, a tied LM head's packed copy)
-  are never stale. `model.weights_generation` counts committed updates (the engine resets
-  the prefix cache when it moves).
+- `finalize_weights` records every parameter's loader and dense shape/dtype *before*
+  `process_weights_after_loading` replaces some with compute layouts (oneDNN prepacked, the
+  small-batch kernel's blocked copy; they carry no loader), then marks the model
+  `weights_finalized`.
+- An incremental update validates every tensor (name, dtype, whole checkpoint shape), stages
+  each touched parameter as a dense copy (zeros when the call replaces all of it, else its
+  current values recovered exactly from whatever layout holds them), loads the tensors into
+  the copies, and only then commits; any error leaves the serving weights untouched. Commit
+  copies in place where the parameter is still dense (tied weights stay tied) and replaces it
+  where a compute layout took its place; every module whose `process_weights_after_loading`
+  reads a touched parameter runs it again, so derived copies are never stale. Quantized
+  layers (GGUF packed, int8) refuse updates. `model.weights_generation` counts committed
+  updates (the engine invalidates the prefix cache when it moves).
 - `discard_weights` (sleep level 2) frees every parameter's storage; until each one has been
   loaded again `weights_missing(model)` names what is missing.
 """

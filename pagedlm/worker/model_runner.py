@@ -201,7 +201,7 @@ class ModelRunner:
         if grammar is not None:  # grammar requests get no drafts: one row each
             metadata.grammar_rows, metadata.grammar_bitmask = grammar
         sampled = self.sampler(logits, metadata).sampled_token_ids.tolist()
-        probs = None
+        probs = processed = None
         start = 0
         for state, count in zip(inputs.sampling_states, counts.tolist()):
             end = start + count
@@ -220,8 +220,15 @@ class ModelRunner:
             output.sampled_token_ids[state.req_id] = tokens
             k = self._num_logprobs(state)
             if k is not None:
-                raw = logits[start : start + len(tokens)].float()
-                raw = raw if mode == "raw_logits" else raw.log_softmax(-1)
+                rows = slice(start, start + len(tokens))
+                if mode.startswith("processed"):
+                    if processed is None:
+                        processed = self.sampler.processed_logits(logits, metadata)
+                    raw = processed[rows]
+                    raw = raw if mode == "processed_logits" else raw.log_softmax(-1)
+                else:
+                    raw = logits[rows].float()
+                    raw = raw if mode == "raw_logits" else raw.log_softmax(-1)
                 output.logprobs[state.req_id] = gather_logprobs(raw, k, torch.tensor(tokens))
             start = end
 

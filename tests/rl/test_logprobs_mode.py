@@ -97,3 +97,26 @@ def test_processed_modes_match_reference(tiny_qwen2, mode):
 def test_unknown_logprobs_mode_is_refused(tiny_qwen2):
     with pytest.raises(ValueError, match="logprobs_mode"):
         LLM(str(tiny_qwen2), logprobs_mode="processed", **ENGINE)
+
+
+@pytest.mark.parametrize("mode", ["processed_logits", "processed_logprobs"])
+def test_processed_modes_with_speculative_decoding(tiny_qwen2, mode):
+    """Rows verified from n-gram drafts report the same processed values as plain decoding
+    (allowed_token_ids makes processed differ from raw)."""
+    prompt = {"prompt_token_ids": [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]}
+    allowed = list(range(0, 512, 2)) + [7, 9]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, allowed_token_ids=allowed)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+    def run(**kwargs):
+        llm = LLM(str(tiny_qwen2), logprobs_mode=mode, **ENGINE, **kwargs)
+        return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+    plain, drafted = run(), run(speculative_config=spec)
+    assert drafted.token_ids == plain.token_ids
+    for got, want in zip(drafted.logprobs, plain.logprobs):
+        assert got.keys() == want.keys()
+        for token in want:
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-4)
+    raw = LLM(str(tiny_qwen2), **ENGINE).generate([prompt], params, use_tqdm=False)[0]
+    assert raw.outputs[0].logprobs[0] != plain.logprobs[0]  # the mask shows in processed
