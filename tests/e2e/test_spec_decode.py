@@ -191,3 +191,24 @@ def test_options_and_aliases(tiny_qwen2) -> None:
         LLM(str(tiny_qwen2), speculative_config={"method": "eagle", "model": "x"})
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         LLM(str(tiny_qwen2), spec_model=str(tiny_qwen2), tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_default_model_greedy_identical_with_ngram_drafts() -> None:
+    """The packaged model (bf16) rewriting code: the same tokens with and without drafts."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from spec_decode import conversations
+    finally:
+        sys.path.pop(0)
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    prompts = conversations(4)
+
+    def tokens(**kwargs) -> list[list[int]]:
+        llm = LLM("qwen2.5-coder-0.5b-instruct", max_model_len=1024, **kwargs)
+        return [list(o.outputs[0].token_ids) for o in llm.chat(prompts, params, use_tqdm=False)]
+
+    assert tokens(speculative_config=NGRAM) == tokens()
