@@ -25,12 +25,15 @@ def run_llm_api(backend: str, spec: dict) -> dict:
     if spec.get("kv_cache_dtype", "auto") != "auto":
         extra["kv_cache_dtype"] = spec["kv_cache_dtype"]
     llm, sampling_params_cls = make_llm(backend, spec, max_num_seqs=1, **extra)
-    prompt = {"prompt_token_ids": spec["prompt"]}
+    calls = iter(range(10**6))
 
     def timed(max_tokens: int) -> float:
+        # a new first token every call: no prefix-cache hit on the previous call's prompt,
+        # so TTFT is a whole prefill (the warm-up would otherwise cache the prompt)
+        ids = [1000 + next(calls), *spec["prompt"][1:]]
         params = sampling_params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate(prompt, params, use_tqdm=False)
+        llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
         return time.perf_counter() - start
 
     timed(4)  # warm-up
