@@ -108,9 +108,11 @@ def test_draft_model_greedy_identical(tiny_qwen2, tiny_model_factory) -> None:
     for a, b in zip(logprobs, want[1]):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     metrics = {m.name: m for m in llm.get_metrics() if "spec_decode" in m.name}
-    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == (
-        metrics["vllm:spec_decode_num_draft_tokens"].value
-    ) > 0
+    assert (
+        metrics["vllm:spec_decode_num_accepted_tokens"].value
+        == (metrics["vllm:spec_decode_num_draft_tokens"].value)
+        > 0
+    )
     # a different (1-layer) draft model: fewer accepted, the same tokens
     other = tiny_model_factory("qwen2", num_hidden_layers=1)
     assert _greedy(tiny_qwen2, speculative_config=_draft_config(other))[0] == want[0]
@@ -194,8 +196,13 @@ def test_options_and_aliases(tiny_qwen2) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_greedy_identical_with_ngram_drafts() -> None:
-    """The packaged model (bf16) rewriting code: the same tokens with and without drafts."""
+def test_default_model_greedy_identical_with_ngram_drafts(monkeypatch) -> None:
+    """The packaged model rewriting code: the same tokens with and without drafts, with its
+    weights dequantized, in fp32. (Packed GGUF weights quantize decode rows' activations to
+    int8, but not those of multi-row verify steps, and bf16 rounds verify rows' GEMMs and
+    attention differently from one-row decode: there near ties may flip, which
+    benchmarks/spec_decode.py reports.)"""
+    monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", "1")
     import sys
     from pathlib import Path
 
@@ -208,7 +215,7 @@ def test_default_model_greedy_identical_with_ngram_drafts() -> None:
     prompts = conversations(4)
 
     def tokens(**kwargs) -> list[list[int]]:
-        llm = LLM("qwen2.5-coder-0.5b-instruct", max_model_len=1024, **kwargs)
+        llm = LLM("qwen2.5-coder-0.5b-instruct", dtype="float32", max_model_len=1024, **kwargs)
         return [list(o.outputs[0].token_ids) for o in llm.chat(prompts, params, use_tqdm=False)]
 
     assert tokens(speculative_config=NGRAM) == tokens()

@@ -120,3 +120,26 @@ def test_impossible_splits_are_refused(tiny_model_factory) -> None:
         LLM(str(model), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="needs 'mp'"):
         LLM(str(model), tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+@pytest.mark.slow
+def test_default_model_readme_batch_tp2_equals_tp1(monkeypatch) -> None:
+    """The packaged model (dequantized, fp32) answers the README's batch identically under
+    tensor_parallel_size=2 and 1."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", "1")
+    lines = (Path(__file__).resolve().parents[2] / "examples/batch_requests.jsonl").read_text()
+    bodies = [json.loads(line)["body"] for line in lines.splitlines() if line.strip()]
+    chats = [b["messages"] for b in bodies if "messages" in b]
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+
+    def answers(**kwargs) -> list[list[int]]:
+        llm = LLM("qwen2.5-coder-0.5b-instruct", dtype="float32", max_model_len=1024, **kwargs)
+        try:
+            return [list(o.outputs[0].token_ids) for o in llm.chat(chats, params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+
+    assert chats and answers(tensor_parallel_size=2) == answers()
