@@ -105,7 +105,7 @@ def test_dead_worker_is_a_clear_error_within_seconds(tiny_qwen2) -> None:
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match="rank 1 died"):
         _tokens(llm)  # rank 0 waits for rank 1 inside a collective: no hang
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 60  # a hang would wait for gloo's 30-minute timeout
     with pytest.raises(WorkerDiedError):
         _tokens(llm)
 
