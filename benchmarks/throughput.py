@@ -72,8 +72,9 @@ def run_llm_api(backend: str, spec: dict, prefix_caching: bool = True) -> dict:
         sampling_params_cls(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests
     ]
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    warm = prompts[:2]
     llm.generate(
-        prompts[:2], [sampling_params_cls(temperature=0.0, max_tokens=4)] * 2, use_tqdm=False
+        warm, [sampling_params_cls(temperature=0.0, max_tokens=4)] * len(warm), use_tqdm=False
     )  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
