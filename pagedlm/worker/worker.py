@@ -37,10 +37,6 @@ class Worker(WorkerControlMixin):
         self._weight_update_active = False
         self._profiler: Any = None
 
-    @property
-    def is_driver_worker(self) -> bool:
-        return self.rank == 0
-
     def init_device(self) -> None:
         """Threads (pinned in a worker process), the process group, the seed."""
         current_platform.setup_threads(self.cpu_ids)
