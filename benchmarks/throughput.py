@@ -72,7 +72,8 @@ def run_llm_api(backend: str, spec: dict, prefix_caching: bool = True) -> dict:
         sampling_params_cls(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests
     ]
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
-    warm = prompts[:2]
+    # short prompts of other tokens: the timed requests must not hit a warm-up's prefix cache
+    warm = [{"prompt_token_ids": p["prompt_token_ids"][:32][::-1]} for p in prompts[:2]]
     llm.generate(
         warm, [sampling_params_cls(temperature=0.0, max_tokens=4)] * len(warm), use_tqdm=False
     )  # warm-up
