@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedlm import LLM, SamplingParams  # noqa: E402
 
 FUNCTIONS = [
-    '''def merge_sorted(a, b):
+    """def merge_sorted(a, b):
     out = []
     i = j = 0
     while i < len(a) and j < len(b):
@@ -32,15 +32,15 @@ FUNCTIONS = [
             j += 1
     out.extend(a[i:])
     out.extend(b[j:])
-    return out''',
-    '''def word_counts(text):
+    return out""",
+    """def word_counts(text):
     counts = {}
     for word in text.lower().split():
         word = word.strip(".,;:!?")
         if word:
             counts[word] = counts.get(word, 0) + 1
-    return sorted(counts.items(), key=lambda kv: -kv[1])''',
-    '''def binary_search(xs, target):
+    return sorted(counts.items(), key=lambda kv: -kv[1])""",
+    """def binary_search(xs, target):
     lo, hi = 0, len(xs) - 1
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -50,8 +50,8 @@ FUNCTIONS = [
             lo = mid + 1
         else:
             hi = mid - 1
-    return -1''',
-    '''def flatten(nested):
+    return -1""",
+    """def flatten(nested):
     result = []
     stack = [nested]
     while stack:
@@ -60,7 +60,7 @@ FUNCTIONS = [
             stack.extend(reversed(item))
         else:
             result.append(item)
-    return result''',
+    return result""",
 ]
 
 
