@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedlm import LLM, SamplingParams
 from tests.models.test_gemma3 import make_tiny_gemma3
+from tests.models.test_models_vs_hf import hf_greedy
 
 MAX_TOKENS = 8
 LLM_KWARGS = dict(
@@ -34,29 +34,6 @@ def _prompts() -> list[list[int]]:
     return [first, second, third]
 
 
-def _hf_greedy(model_dir: Path) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens from HF generate; logprobs of them from one full forward (no cache)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for prompt in _prompts():
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                attention_mask=torch.ones_like(ids),
-            )
-            generated = out[0, len(prompt) :].tolist()
-            logits = model(out).logits[0, len(prompt) - 1 : -1].float()
-            lp = logits.log_softmax(-1).gather(-1, torch.tensor(generated)[:, None])[:, 0]
-            tokens.append(generated)
-            logprobs.append(lp.tolist())
-    return tokens, logprobs
-
-
 def _generate(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
@@ -69,7 +46,7 @@ def _generate(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
 
 
 def _check(model_dir: Path) -> None:
-    want_tokens, want_logprobs = _hf_greedy(model_dir)
+    want_tokens, want_logprobs = hf_greedy(model_dir, _prompts(), MAX_TOKENS)
     assert all(len(set(t)) >= 3 for t in want_tokens)  # the oracle is not degenerate
     llm = LLM(str(model_dir), **LLM_KWARGS)
     for _ in range(2):  # the second pass reads the prompts' blocks from the prefix cache

@@ -19,7 +19,9 @@ def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(5, 500) for _ in range(length)] for length in lengths]
 
 
-def _hf_greedy(model_dir, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+def hf_greedy(
+    model_dir, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens from HF generate, and the log-softmax of each of them from a full forward."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokens, logprobs = [], []
@@ -28,7 +30,7 @@ def _hf_greedy(model_dir, prompts: list[list[int]]) -> tuple[list[list[int]], li
             ids = torch.tensor([prompt])
             out = model.generate(
                 ids,
-                max_new_tokens=MAX_TOKENS,
+                max_new_tokens=max_tokens,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
@@ -44,7 +46,7 @@ def _hf_greedy(model_dir, prompts: list[list[int]]) -> tuple[list[list[int]], li
 
 def _check_against_hf(model_dir, **llm_kwargs) -> None:
     prompts = _prompts()
-    want_tokens, want_logprobs = _hf_greedy(model_dir, prompts)
+    want_tokens, want_logprobs = hf_greedy(model_dir, prompts)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=256, **llm_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
