@@ -86,13 +86,9 @@ def test_gguf_packed_under_tensor_parallel(tiny_llama, mixed_gguf) -> None:
     _agree(got, want, ACTIVATION_QUANT_LOGPROB)
 
 
-def test_int8_matches_transformers_on_fake_quantized_weights(
-    tiny_qwen2, tmp_path, monkeypatch
-) -> None:
+def test_int8_matches_transformers_on_fake_quantized_weights(tiny_qwen2, tmp_path) -> None:
     """Our int8 run of the original checkpoint against transformers on a copy whose linear
     weights (not the LM head, which stays dense) are their int8 dequantizations."""
-    import tests.models.test_models_vs_hf as reference
-
     fake = tmp_path / "fake-int8"
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
     with torch.no_grad():
@@ -101,6 +97,4 @@ def test_int8_matches_transformers_on_fake_quantized_weights(
                 q, scale = quantize_per_channel(module.weight)
                 module.weight.copy_(q.float() * scale[:, None])
     model.save_pretrained(fake, safe_serialization=True)
-    hf_greedy = reference._hf_greedy
-    monkeypatch.setattr(reference, "_hf_greedy", lambda _dir, prompts: hf_greedy(fake, prompts))
-    _check_against_hf(tiny_qwen2, quantization="int8")
+    _check_against_hf(tiny_qwen2, reference_dir=fake, quantization="int8")

@@ -44,9 +44,10 @@ def hf_greedy(
     return tokens, logprobs
 
 
-def _check_against_hf(model_dir, **llm_kwargs) -> None:
+def _check_against_hf(model_dir, reference_dir=None, **llm_kwargs) -> None:
+    """Our run of ``model_dir`` against transformers on ``reference_dir`` (default: the same)."""
     prompts = _prompts()
-    want_tokens, want_logprobs = hf_greedy(model_dir, prompts)
+    want_tokens, want_logprobs = hf_greedy(reference_dir or model_dir, prompts)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=256, **llm_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
