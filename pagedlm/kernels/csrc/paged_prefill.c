@@ -95,6 +95,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
 #endif
       softmax_row(s, r, jlo, jhi);
     }
+#ifdef PAGEDLM_AVX512
+    if (PATH != 0) rescale_rows_avx512(s, rows_pad);
+#endif
 #ifdef PAGEDLM_PREFILL_BF16
     if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rows_pad, DV, kn);
 #endif
@@ -196,13 +199,14 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     s.m = malloc(sizeof(float) * rows_cap);
     s.l = malloc(sizeof(float) * rows_cap);
     s.alpha = malloc(sizeof(float) * rows_cap);
+    s.rs = malloc(sizeof(float) * rows_cap);
     s.p = malloc(sizeof(float) * rows_cap * KT);
     s.pb = malloc(sizeof(uint32_t) * rows_cap * KT / 2);
     s.kt = malloc(sizeof(float) * d * KT);
     s.vf = malloc(sizeof(float) * d * KT);
     s.qf = malloc(sizeof(float) * rows_cap * d);
     s.qb = malloc(sizeof(uint32_t) * rows_cap * d / 2 + 4);
-    const int ok = s.acc && s.m && s.l && s.alpha && s.p && s.pb && s.kt && s.vf && s.qf && s.qb;
+    const int ok = s.acc && s.m && s.l && s.alpha && s.rs && s.p && s.pb && s.kt && s.vf && s.qf && s.qb;
     if (!ok) {
 #pragma omp atomic write
       failed = 1;
@@ -227,6 +231,7 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     free(s.m);
     free(s.l);
     free(s.alpha);
+    free(s.rs);
     free(s.p);
     free(s.pb);
     free(s.kt);

@@ -4,8 +4,8 @@
 #pragma once
 #include "common.h"
 
-#define KT 64  // keys per tile: four vectors of fp32 scores per row, so that the per-row
-              // reductions and rescaling of the online softmax are paid once per 64 keys
+#define KT 128  // keys per tile: eight vectors of fp32 scores per row, so that the per-row
+               // reductions and rescaling of the online softmax are paid once per 128 keys
 
 typedef struct {
   const void *q, *k_cache, *v_cache;
@@ -18,7 +18,7 @@ typedef struct {
 } Args;
 
 typedef struct {
-  float *acc, *m, *l, *alpha, *p, *kt, *vf, *qf;
+  float *acc, *m, *l, *alpha, *rs, *p, *kt, *vf, *qf;
   uint32_t *qb, *pb;
   int64_t rows_cap;
 } Scratch;
@@ -146,31 +146,52 @@ static inline __attribute__((always_inline)) void qk_f32_avx512(const float* qf,
   }
 }
 
+// Lanes kg .. kg + 15 of a row that lie in jlo .. jhi.
+static inline __mmask16 lane_mask(int kg, int64_t jlo, int64_t jhi) {
+  const int64_t lo = jlo - kg, hi = jhi - kg;  // in lane units
+  const uint32_t upto = hi >= 15 ? 0xFFFFu : hi < 0 ? 0u : (1u << (hi + 1)) - 1;
+  const uint32_t below = lo <= 0 ? 0u : lo >= 16 ? 0xFFFFu : (1u << lo) - 1;
+  return (__mmask16)(upto & ~below);
+}
+
 // softmax_row on one vector; lanes outside jlo..jhi are masked off (garbage scores allowed).
 static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_t jhi, int kn) {
   float* pr = s->p + r * KT;
   if (jlo > jhi) {
     for (int kg = 0; kg < kn; kg += 16) _mm512_storeu_ps(pr + kg, _mm512_setzero_ps());
-    s->alpha[r] = 1.f;
+    s->alpha[r] = 0.f;
+    s->rs[r] = 0.f;
     return;
   }
-  const uint64_t bits = (jhi >= 63 ? ~0ull : (1ull << (jhi + 1)) - 1) & ~((1ull << jlo) - 1);
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int kg = 0; kg < kn; kg += 16)
-    mx = _mm512_mask_max_ps(mx, (__mmask16)(bits >> kg), mx, _mm512_loadu_ps(pr + kg));
+    mx = _mm512_mask_max_ps(mx, lane_mask(kg, jlo, jhi), mx, _mm512_loadu_ps(pr + kg));
   const float tile_max = _mm512_reduce_max_ps(mx);
   const float m_new = tile_max > s->m[r] ? tile_max : s->m[r];
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int kg = 0; kg < kn; kg += 16) {
     const __m512 sc = _mm512_loadu_ps(pr + kg);
-    const __m512 e = _mm512_maskz_mov_ps((__mmask16)(bits >> kg), exp512(_mm512_sub_ps(sc, vm)));
+    const __m512 e = _mm512_maskz_mov_ps(lane_mask(kg, jlo, jhi), exp512(_mm512_sub_ps(sc, vm)));
     _mm512_storeu_ps(pr + kg, e);
     sum = _mm512_add_ps(sum, e);
   }
-  s->alpha[r] = expf(s->m[r] - m_new);
-  s->l[r] = s->l[r] * s->alpha[r] + _mm512_reduce_add_ps(sum);
+  s->alpha[r] = s->m[r] - m_new;  // the rescale factor's exponent: see rescale_rows_avx512
+  s->rs[r] = _mm512_reduce_add_ps(sum);
   s->m[r] = m_new;
+}
+
+// After softmax_row_avx512 of every row: alpha = exp(alpha) and l = l * alpha + rs, 16 rows a
+// vector (one exp512 instead of a scalar expf per row and tile).
+static inline void rescale_rows_avx512(Scratch* s, int64_t rows) {
+  for (int64_t r = 0; r < rows; r += 16) {
+    const __mmask16 k = rows - r >= 16 ? 0xFFFF : (__mmask16)((1u << (rows - r)) - 1);
+    const __m512 alpha = exp512(_mm512_maskz_loadu_ps(k, s->alpha + r));
+    _mm512_mask_storeu_ps(s->alpha + r, k, alpha);
+    const __m512 l = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s->l + r), alpha,
+                                     _mm512_maskz_loadu_ps(k, s->rs + r));
+    _mm512_mask_storeu_ps(s->l + r, k, l);
+  }
 }
 
 // acc[r] = acc[r] * alpha[r] + p[r] . V, two rows at a time where the accumulators fit.
@@ -287,20 +308,20 @@ static inline __attribute__((always_inline)) void qk_bf16(const uint32_t* qb, co
 static inline __attribute__((always_inline)) void pv_bf16(Scratch* s, const uint16_t* vp,
                                                           int64_t rows, const int DV, int kn) {
   const int64_t d = 16 * DV;
-  const int RB = DV <= 8 ? 2 : 1;
+  const int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;  // 16 accumulators; rows: a multiple of 8
   for (int64_t r = 0; r < rows; r++)  // probabilities as bf16 pairs
     for (int kg = 0; kg < kn; kg += 16)
       _mm256_storeu_si256((__m256i*)(s->pb + r * (KT / 2) + kg / 2),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->p + r * KT + kg)));
   for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-    __m512 acc[2][16];
+    __m512 acc[4][16];
     for (int i = 0; i < RB; i++) {
       const __m512 al = _mm512_set1_ps(s->alpha[r0 + i]);
       for (int c = 0; c < DV; c++)
         acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(s->acc + (r0 + i) * d + 16 * c), al);
     }
     for (int jp = 0; jp < kn / 2; jp++) {
-      __m512bh pp[2];
+      __m512bh pp[4];
       for (int i = 0; i < RB; i++)
         pp[i] = (__m512bh)_mm512_set1_epi32((int)s->pb[(r0 + i) * (KT / 2) + jp]);
       for (int c = 0; c < DV; c++) {

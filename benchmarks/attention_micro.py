@@ -1,0 +1,77 @@
+"""Per-layer attention time of the C paged kernels on the default model's shapes (14 query
+heads, 2 KV heads, head size 64, bf16, 16-token blocks), with the achieved GFLOP/s
+(4 * head_size flops per query-key pair inside the causal mask). Short; machine noise applies.
+
+    python benchmarks/attention_micro.py [--contexts 4096 16384] [--chunk 512]
+
+Rows: a fresh prompt of `context` tokens in one chunk (when it is at most 4096), a `chunk`-token
+prefill chunk after `context` cached tokens, and one decode step at `context`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedlm.kernels.cpu import cpu_kernels
+from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 14, 2, 64, 16
+
+
+def paged_cache(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    blocks = (tokens + BLOCK - 1) // BLOCK
+    table = torch.randperm(blocks).view(1, blocks)
+    k = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_SIZE).to(dtype)
+    return k, torch.randn_like(k), table
+
+
+def time_ms(fn, iters: int) -> float:
+    """Fastest of `iters` calls: other tenants of the machine only ever add time."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args()
+    lib = cpu_kernels()
+    if lib is None:
+        raise SystemExit("no C compiler: the C kernels are not built")
+    dtype, scale = torch.bfloat16, HEAD_SIZE**-0.5
+    print(f"{'case':<30}{'ms':>10}{'GFLOP/s':>10}")
+    for context in args.contexts:
+        cases = [("fresh", context, context)] if context <= 4096 else []
+        cases.append(("chunk", args.chunk, context + args.chunk))
+        for name, rows, seq_len in cases:
+            k, v, table = paged_cache(seq_len, dtype)
+            q = torch.randn(rows, HEADS, HEAD_SIZE).to(dtype)
+            qsl = torch.tensor([0, rows])
+            lens = torch.tensor([seq_len])
+            ms = time_ms(
+                lambda: paged_prefill_attention(lib, q, k, v, table, qsl, lens, scale, None),
+                args.iters,
+            )
+            pairs = rows * (seq_len - rows) + rows * (rows + 1) / 2
+            gflops = 4 * HEAD_SIZE * HEADS * pairs / ms / 1e6
+            print(f"{f'{name} {rows} rows at {seq_len}':<30}{ms:>10.2f}{gflops:>10.0f}")
+        k, v, table = paged_cache(context, dtype)
+        q = torch.randn(1, HEADS, HEAD_SIZE).to(dtype)
+        lens = torch.tensor([context])
+        ms = time_ms(lambda: paged_decode_attention(lib, q, k, v, table, lens, scale, None), 20)
+        gflops = 4 * HEAD_SIZE * HEADS * context / ms / 1e6
+        print(f"{f'decode at {context}':<30}{ms:>10.2f}{gflops:>10.0f}")
+
+
+if __name__ == "__main__":
+    main()
