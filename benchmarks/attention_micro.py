@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -58,17 +59,15 @@ def main() -> None:
             q = torch.randn(rows, HEADS, HEAD_SIZE).to(dtype)
             qsl = torch.tensor([0, rows])
             lens = torch.tensor([seq_len])
-            ms = time_ms(
-                lambda: paged_prefill_attention(lib, q, k, v, table, qsl, lens, scale, None),
-                args.iters,
-            )
+            call = partial(paged_prefill_attention, lib, q, k, v, table, qsl, lens, scale, None)
+            ms = time_ms(call, args.iters)
             pairs = rows * (seq_len - rows) + rows * (rows + 1) / 2
             gflops = 4 * HEAD_SIZE * HEADS * pairs / ms / 1e6
             print(f"{f'{name} {rows} rows at {seq_len}':<30}{ms:>10.2f}{gflops:>10.0f}")
         k, v, table = paged_cache(context, dtype)
         q = torch.randn(1, HEADS, HEAD_SIZE).to(dtype)
         lens = torch.tensor([context])
-        ms = time_ms(lambda: paged_decode_attention(lib, q, k, v, table, lens, scale, None), 20)
+        ms = time_ms(partial(paged_decode_attention, lib, q, k, v, table, lens, scale, None), 20)
         gflops = 4 * HEAD_SIZE * HEADS * context / ms / 1e6
         print(f"{f'decode at {context}':<30}{ms:>10.2f}{gflops:>10.0f}")
 

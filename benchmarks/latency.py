@@ -1,7 +1,7 @@
 """Batch-1 latency: time to first token and decode tokens/s of one request, per backend.
 
     .venv/bin/python benchmarks/latency.py --backends pagedlm-gguf,pagedlm,llamacpp,vllm \
-        --vllm-python /path/to/vllm-venv/bin/python --llamacpp-python /path/to/llamacpp-venv/bin/python
+        --vllm-python PEERS/vllm/bin/python --llamacpp-python PEERS/llamacpp/bin/python
 
 `pagedlm` runs the Hugging Face directory (default: the packaged model converted to bf16);
 `pagedlm-gguf` and `llamacpp` run the packaged GGUF file itself (`--gguf` for another), pagedlm
