@@ -115,6 +115,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel ranks of the LLM-API backends (the --threads cores are split)",
     )
+    parser.add_argument(
+        "--gguf",
+        default=None,
+        help="GGUF file of the pagedlm-gguf and llamacpp backends (default: the packaged model's)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--spec", default=None, help=argparse.SUPPRESS)
@@ -136,6 +141,8 @@ def run_backends(
 ) -> Iterator[tuple[str, dict]]:
     """Run each backend on `spec` in its own subprocess; yields (backend, result) in order."""
     spec = {**spec, "tensor_parallel_size": args.tensor_parallel_size}
+    if {"pagedlm-gguf", "llamacpp"} & set(backends):
+        spec["gguf"] = args.gguf or default_gguf()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from common import (
     add_common_args,
-    default_gguf,
     make_llm,
     model_and_vocab,
     run_backends,
@@ -134,9 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e5m2")
-    parser.add_argument(
-        "--gguf", default=None, help="GGUF file of pagedlm-gguf and llamacpp (default: packaged)"
-    )
     args = parser.parse_args(argv)
     if args.worker:
         run_worker(WORKERS, args.worker, args.spec)
@@ -145,7 +141,6 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     spec = {
         "model": model,
-        "gguf": args.gguf or default_gguf(),
         "prompt": [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)],
         "output_len": args.output_len,
         "repeats": args.repeats,

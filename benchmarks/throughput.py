@@ -11,8 +11,9 @@ with the prefix cache off), `long` (8 prompts x 4096 in / 64 out) and `long-sing
 16000 in / 32 out); the long workloads fix their own lengths and raise --max-model-len to fit.
 `--kv-cache-dtype fp8` runs pagedlm (and vLLM) with an fp8 KV cache. All requests use greedy
 decoding with ignore_eos, so every backend produces exactly the requested number of tokens.
-Prints a table with ratios to pagedlm; `--rounds N` runs the backends N times in turns and
-shows each one's median round.
+Backend `pagedlm-gguf` runs the packaged GGUF file itself (`--gguf` for another) with its
+weights kept packed. Prints a table with ratios to pagedlm; `--rounds N` runs the backends N
+times in turns and shows each one's median round.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ def run_transformers(spec: dict) -> dict:
 WORKERS = {
     "pagedlm": lambda spec: run_llm_api("pagedlm", spec),
     "pagedlm-nocache": lambda spec: run_llm_api("pagedlm", spec, prefix_caching=False),
+    # the packaged GGUF file itself, weights kept packed (quantization="gguf", its default)
+    "pagedlm-gguf": lambda spec: run_llm_api("pagedlm", {**spec, "model": spec["gguf"]}),
     "transformers": run_transformers,
     "vllm": lambda spec: run_llm_api("vllm", spec),
 }
