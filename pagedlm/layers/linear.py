@@ -48,20 +48,21 @@ def prepack_weight(module: nn.Module) -> torch.Tensor | None:
     """Prepack `module.weight` for `linear`; returns the copy to pass as `packed`, or None.
 
     Where the platform has a small-batch kernel, `module.weight` becomes the layout that kernel
-    reads (the dense weight for AMX, a blocked copy for AVX-512 BF16) and the prepacked copy is
-    returned; otherwise the prepacked layout replaces `module.weight` (and None is returned).
+    reads (the dense weight for AMX and AVX2, a blocked copy for AVX-512 BF16) and the copy for
+    larger batches is returned: the prepacked one, or the dense weight where oneDNN has no
+    prepacked bf16 layout (AVX2). Otherwise the prepacked layout, if any, replaces
+    `module.weight` (and None is returned).
     """
     weight = module.weight.data
     packed = current_platform.prepack_linear_weight(weight)
-    if packed is None:
-        return None
     small = current_platform.small_batch_weight(weight)
-    if small is not None:
-        if small is not weight:
-            module.weight = nn.Parameter(small, requires_grad=False)
-        return packed
-    module.weight = nn.Parameter(packed, requires_grad=False)
-    return None
+    if small is None or (packed is None and small is not weight):  # no second copy unpacked
+        if packed is not None:
+            module.weight = nn.Parameter(packed, requires_grad=False)
+        return None
+    if small is not weight:
+        module.weight = nn.Parameter(small, requires_grad=False)
+    return packed if packed is not None else weight
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

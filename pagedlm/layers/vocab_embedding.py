@@ -94,7 +94,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.quant_method.process_weights_after_loading(self)  # may become unquantized
             return
         if self.tied:  # lookups need the dense weight: only add the packed copy
-            self.logits_weight = current_platform.prepack_linear_weight(self.weight.data)
+            weight = self.weight.data
+            self.logits_weight = current_platform.prepack_linear_weight(weight)
+            if self.logits_weight is None and current_platform.reads_dense_weight(weight):
+                self.logits_weight = weight  # small batches: the kernel; larger: F.linear
             return
         self.logits_weight = prepack_weight(self)
 

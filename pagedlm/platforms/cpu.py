@@ -98,10 +98,10 @@ class CpuPlatform(Platform):
         held = psutil.Process().memory_info().rss + weight.numel() * weight.element_size()
         if held > psutil.virtual_memory().total * _DENSE_COPY_RAM_FRACTION:
             return None
-        return weight if isa == "amx" else block_small_batch_weight(weight)
+        return weight if isa in ("amx", "avx2") else block_small_batch_weight(weight)
 
     def reads_dense_weight(self, weight: torch.Tensor) -> bool:
-        """Whether the small-batch kernel reads the dense weight itself (AMX) next to the
+        """Whether the small-batch kernel reads the dense weight itself (AMX, AVX2) next to the
         prepacked one; AVX-512 BF16 reads its own blocked copy (`small_batch_weight`)."""
         small = self.small_batch_weight(weight)
         return small is not None and small.dim() == 2

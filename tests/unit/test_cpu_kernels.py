@@ -170,12 +170,16 @@ def test_blocked_avx512_bf16_linear(rows, shape, with_bias) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("isa", ["avx512_bf16", "portable"])
-@pytest.mark.parametrize("shape", [(1, 37, 100), (3, 96, 896), (16, 130, 64), (5, 8, 33)])
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx2", "portable"])
+@pytest.mark.parametrize(
+    "shape", [(1, 37, 100), (3, 96, 896), (16, 130, 64), (5, 8, 33), (2, 20, 7)]
+)
 def test_dense_small_batch_linear_paths(isa, shape) -> None:
     """The dense-weight loops (tied LM heads; CPUs without AMX/AVX-512 BF16): any N and K."""
     if isa == "avx512_bf16" and not lib.gemv_bf16_avx512_compiled():
         pytest.skip("no AVX-512 BF16 here")
+    if isa == "avx2" and not lib.gemv_bf16_avx2_compiled():
+        pytest.skip("no AVX2 here")
     x, w, b, want = _linear_case(*shape, with_bias=True)
     _within_one_bf16_step(small_batch_linear(x, w, b, isa=isa), want)
 
@@ -214,10 +218,30 @@ def test_small_batch_copy_only_while_ram_allows(monkeypatch) -> None:
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
     assert platform.small_batch_weight(w.float()) is None
     assert (platform.small_batch_weight(w) is not None) == small_batch_linear_supported()
-    assert platform.reads_dense_weight(w) == (small_batch_linear_isa() == "amx")
+    assert platform.reads_dense_weight(w) == (small_batch_linear_isa() in ("amx", "avx2"))
     monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(total=1 << 20))
     assert platform.small_batch_weight(w) is None
     assert not platform.reads_dense_weight(w)
+
+
+@needs_kernels
+def test_avx2_cpus_run_small_batches_on_the_dense_weight(monkeypatch) -> None:
+    """Without AVX-512, oneDNN has no prepacked bf16 layout: a linear keeps its dense weight,
+    which the AVX2 kernel reads for decode batches and F.linear for larger ones."""
+    if not lib.gemv_bf16_avx2_compiled():
+        pytest.skip("no AVX2 here")
+    from pagedlm.layers.linear import linear, prepack_weight
+    from pagedlm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr("pagedlm.kernels.cpu.small_batch_linear_isa", lambda: "avx2")
+    monkeypatch.setattr(CpuPlatform, "prepack_linear_weight", lambda self, w: None)
+    module = torch.nn.Linear(96, 48, bias=False).bfloat16()
+    dense = module.weight.data
+    packed = prepack_weight(module)
+    assert packed.data_ptr() == module.weight.data_ptr() == dense.data_ptr()  # one copy
+    for rows in (2, SMALL_BATCH_ROWS + 3):  # the kernel, then F.linear
+        x = torch.randn(rows, 96).bfloat16()
+        _within_one_bf16_step(linear(x, module.weight, None, packed), x.float() @ dense.float().T)
 
 
 @needs_kernels

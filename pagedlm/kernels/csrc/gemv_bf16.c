@@ -1,4 +1,5 @@
-// y[M, N] = x[M, K] . W[N, K]^T (+ bias), bf16, for decode-sized M without AMX.
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias), bf16, for decode-sized M without AMX (AVX-512 BF16,
+// AVX2, portable).
 //
 // AVX-512 BF16: 4 weight rows at a time are read once from DRAM (64-byte steps, vdpbf16ps),
 // each step against up to 4 activation rows kept in L1/L2; bigger M walks the same 4 weight
@@ -165,6 +166,82 @@ int gemv_bf16_blocked(const uint16_t* x, const uint16_t* wb, const uint16_t* bia
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLM_AVX2 1
+// AVX2 (no bf16 arithmetic): weights widened to fp32 in registers (a 16-bit shift), x converted
+// to fp32 once per call; 4 weight rows x 2 activation rows of 8-lane fp32 sums (13 of the 16
+// ymm registers). Same loop nest as the AVX-512 one; sums fp32, the bias added before rounding.
+#define AVX2_COLS 2
+
+static inline __m256 load8_bf16(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __attribute__((always_inline)) void avx2_tile(const float* xf, const uint16_t* w,
+                                                            const uint16_t* bias, uint16_t* y,
+                                                            int64_t n0, const int nr, int64_t m0,
+                                                            const int mt, int64_t N, int64_t K,
+                                                            int prefetch) {
+  __m256 acc[ROWS][AVX2_COLS];
+  for (int r = 0; r < nr; r++)
+    for (int j = 0; j < mt; j++) acc[r][j] = _mm256_setzero_ps();
+  const int64_t kfull = K & ~(int64_t)7;
+  for (int64_t k = 0; k < kfull; k += 8) {
+    __m256 wv[ROWS];
+    for (int r = 0; r < nr; r++) {
+      wv[r] = load8_bf16(w + (n0 + r) * K + k);
+      if (prefetch && (k & 31) == 0)
+        _mm_prefetch((const char*)(w + (n0 + r + PREFETCH_ROWS) * K + k), _MM_HINT_T0);
+    }
+    for (int j = 0; j < mt; j++) {
+      const __m256 xv = _mm256_loadu_ps(xf + (m0 + j) * K + k);
+      for (int r = 0; r < nr; r++) acc[r][j] = _mm256_fmadd_ps(wv[r], xv, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < nr; r++) {
+    const float b = bias != NULL ? bf16_to_f32(bias[n0 + r]) : 0.f;
+    for (int j = 0; j < mt; j++) {
+      float s = hsum8(acc[r][j]);
+      for (int64_t k = kfull; k < K; k++)
+        s += bf16_to_f32(w[(n0 + r) * K + k]) * xf[(m0 + j) * K + k];
+      y[(m0 + j) * N + n0 + r] = to_bf16(s + b);
+    }
+  }
+}
+
+// Returns 0 when out of memory (nothing computed), else 1.
+static int gemv_bf16_avx2(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                          uint16_t* y, int64_t M, int64_t N, int64_t K, int num_threads) {
+  float* xf = malloc(sizeof(float) * M * K);
+  if (xf == NULL) return 0;
+  for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+  const int64_t blocks = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t nb = 0; nb < blocks; nb++) {
+    const int64_t n0 = nb * ROWS;
+    const int nr = N - n0 < ROWS ? (int)(N - n0) : ROWS;
+    const int prefetch = n0 + ROWS + PREFETCH_ROWS <= N;
+    for (int64_t m0 = 0; m0 < M; m0 += AVX2_COLS) {
+      const int mt = M - m0 < AVX2_COLS ? (int)(M - m0) : AVX2_COLS;
+      const int pf = prefetch && m0 == 0;
+      if (nr == ROWS && mt == 1) avx2_tile(xf, w, bias, y, n0, ROWS, m0, 1, N, K, pf);
+      else if (nr == ROWS) avx2_tile(xf, w, bias, y, n0, ROWS, m0, AVX2_COLS, N, K, pf);
+      else
+        for (int r = 0; r < nr; r++) avx2_tile(xf, w, bias, y, n0 + r, 1, m0, mt, N, K, 0);
+    }
+  }
+  free(xf);
+  return 1;
+}
+#endif
+
 // Returns 0 when out of memory (nothing computed), else 1.
 static int gemv_bf16_portable(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
                               uint16_t* y, int64_t M, int64_t N, int64_t K, int num_threads) {
@@ -198,8 +275,8 @@ static int gemv_bf16_portable(const uint16_t* x, const uint16_t* w, const uint16
   return ok;
 }
 
-// isa: 1 = AVX-512 BF16, 0 = portable. Returns 1 if computed, 0 if that ISA is not compiled
-// in or memory ran out.
+// isa: 1 = AVX-512 BF16, 2 = AVX2, 0 = portable. Returns 1 if computed, 0 if that ISA is not
+// compiled in or memory ran out.
 int gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M,
               int64_t N, int64_t K, int isa, int num_threads) {
   if (M < 1 || N < 1 || K < 1) return 0;
@@ -211,11 +288,26 @@ int gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16
     return 0;
 #endif
   }
+  if (isa == 2) {
+#ifdef PAGEDLM_AVX2
+    return gemv_bf16_avx2(x, w, bias, y, M, N, K, num_threads);
+#else
+    return 0;
+#endif
+  }
   return gemv_bf16_portable(x, w, bias, y, M, N, K, num_threads);
 }
 
 int gemv_bf16_avx512_compiled(void) {
 #ifdef PAGEDLM_AVX512_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int gemv_bf16_avx2_compiled(void) {
+#ifdef PAGEDLM_AVX2
   return 1;
 #else
   return 0;
