@@ -30,6 +30,21 @@ def gguf_isa() -> str | None:
 
 
 def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
+    """The packed tensors' pointers, checked; cached on `w` (decode calls every layer each
+    step) and re-checked whenever one of its tensors or layout fields was replaced."""
+    key = (w.qs, w.qh, w.scales, w.mins, w.bits, w.group, w.offset)
+    cached = w.__dict__.get("_kernel_args")
+    if cached is not None and all(
+        a is b if isinstance(a, torch.Tensor) or a is None else a == b
+        for a, b in zip(key, cached[0])
+    ):
+        return cached[1]
+    args = _check_weight(fn, w)
+    w.__dict__["_kernel_args"] = (key, args)
+    return args
+
+
+def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
     n, k = w.shape
     subs = k // w.group
     qs_width = 64 if w.bits == 8 else 32

@@ -59,8 +59,8 @@ static inline __attribute__((always_inline)) __m512i unpack_chunk(const QWeight*
   for (int p = 0; p < BITS - 4; p++) {
     uint64_t bits;
     memcpy(&bits, w->qh + (n * chunks + c) * 8 * (BITS - 4) + 8 * p, 8);
-    v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits),
-                                                  _mm512_set1_epi8((char)(1 << (4 + p)))));
+    // bit 4 + p is still clear: a masked add sets it (one instruction, not mov + or)
+    v = _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8((char)(1 << (4 + p))));
   }
   return v;
 }

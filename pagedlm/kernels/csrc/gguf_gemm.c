@@ -14,6 +14,8 @@
 //    then fp32 acc += (float)(int sum) * d * scale (and -= min * d * sum with mins).
 // Every sum is exact in int32 (|sum| <= 32 * 255 * 127); the float rounding differs from the
 // GEMV's only in summation order.
+#include <omp.h>
+
 #include "gguf_common.h"
 
 #ifdef PAGEDLM_VNNI
@@ -189,28 +191,31 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const float* 
 #else
   const QWeight w = {qs, qh, scales, mins, N, K, bits, group, offset};
   if (!valid(&w) || M < 1) return 0;
-  const int64_t subs = K / group;
-  GemmAct a = {aligned_alloc(64, M * K), malloc(sizeof(int32_t) * M * subs),
-               malloc(sizeof(float) * M * subs),
-               mins != NULL ? malloc(sizeof(float) * M * subs) : NULL};
-  int ok = a.q != NULL && a.corr != NULL && a.d != NULL && (mins == NULL || a.dsum != NULL);
-  const int64_t tiles = (N + NT - 1) / NT;
+  const int64_t subs = K / group, tiles = (N + NT - 1) / NT;
+  int ok = 1;
+  // One synchronization point (the region's end; a stalled thread at a barrier costs a whole
+  // scheduler slice on a shared machine): each thread quantizes the activations for itself.
 #pragma omp parallel num_threads(num_threads)
   {
+    GemmAct a = {aligned_alloc(64, M * K), malloc(sizeof(int32_t) * M * subs),
+                 malloc(sizeof(float) * M * subs),
+                 mins != NULL ? malloc(sizeof(float) * M * subs) : NULL};
     float* buf = malloc(sizeof(float) * (K + K / 32));
     uint8_t* wt = aligned_alloc(64, NT * K);
     float* sT = aligned_alloc(64, sizeof(float) * NT * subs);
     float* mT = mins != NULL ? aligned_alloc(64, sizeof(float) * NT * subs) : NULL;
-    if (buf == NULL || wt == NULL || sT == NULL || (mins != NULL && mT == NULL)) {
+    const int mine = a.q != NULL && a.corr != NULL && a.d != NULL &&
+                     (mins == NULL || a.dsum != NULL) && buf != NULL && wt != NULL &&
+                     sT != NULL && (mins == NULL || mT != NULL);
+    if (!mine) {
 #pragma omp atomic write
       ok = 0;
-    }
-#pragma omp barrier
-    if (ok) {
-#pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; m++) quantize_act_row(x, m, &w, bf16, &a, buf, buf + K);
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < tiles; t++) {
+    } else {
+      const int nth = omp_get_num_threads(), me = omp_get_thread_num();
+      const int64_t t0 = tiles * me / nth, t1 = tiles * (me + 1) / nth;
+      if (t1 > t0)
+        for (int64_t m = 0; m < M; m++) quantize_act_row(x, m, &w, bf16, &a, buf, buf + K);
+      for (int64_t t = t0; t < t1; t++) {
         const int64_t n0 = t * NT;
         const int cols = N - n0 < NT ? (int)(N - n0) : NT;
         unpack_tile_any(&w, n0, wt, sT, mT);
@@ -235,15 +240,15 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const float* 
         }
       }
     }
+    free(a.q);
+    free(a.corr);
+    free(a.d);
+    free(a.dsum);
     free(buf);
     free(wt);
     free(sT);
     free(mT);
   }
-  free(a.q);
-  free(a.corr);
-  free(a.d);
-  free(a.dsum);
   return ok;
 #endif
 }
