@@ -31,9 +31,23 @@ static inline int valid(const QWeight* w) {
          w->K % 64 == 0;
 }
 
-// x row (bf16 or fp32) -> int8 per 32-block; d[b] = amax / 127.
+// x row (bf16 or fp32) -> int8 per 32-block; d[b] = amax / 127, q = x * (127 / amax) rounded
+// half to even (the AVX-512 path's conversion uses the default rounding mode, the same).
 static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, int8_t* restrict q,
-                         float* restrict d, float* restrict buf) {
+                                float* restrict d, float* restrict buf) {
+#ifdef PAGEDLM_AVX512
+  (void)buf;
+  for (int64_t b = 0; b < K / 32; b++) {
+    const __m512 v0 = load16(x, m * K + 32 * b, bf16), v1 = load16(x, m * K + 32 * b + 16, bf16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    d[b] = amax / 127.f;
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+  }
+#else
   load_row(x, m * K, K, bf16, buf);
   for (int64_t b = 0; b < K / 32; b++) {
     const float* v = buf + 32 * b;
@@ -43,6 +57,7 @@ static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, i
     d[b] = amax / 127.f;
     for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t)nearbyintf(v[i] * inv);
   }
+#endif
 }
 
 #ifdef PAGEDLM_VNNI

@@ -34,9 +34,17 @@ static void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf1
   const int64_t K = w->K, G = w->group, subs = K / G;
   int8_t* q = a->q + m * K;
   quantize_row(x, m, K, bf16, q, d32, buf);
+  int32_t sums[8];  // per 8 quants of a 64-value chunk: sum(q + 128) by vpsadbw, less 8 * 128
   for (int64_t g = 0; g < subs; g++) {
-    int32_t total = 0;
-    for (int i = 0; i < G; i++) total += q[g * G + i];
+    const int per = G / 8;  // sums per sub-block
+    if ((g * G) % 64 == 0) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(q + g * G), _mm512_set1_epi8(-128));
+      _mm256_storeu_si256((__m256i*)sums,
+                          _mm512_cvtepi64_epi32(_mm512_sad_epu8(u, _mm512_setzero_si512())));
+    }
+    const int first = (int)((g * G) % 64) / 8;
+    int32_t total = -1024 * per;
+    for (int i = 0; i < per; i++) total += sums[first + i];
     const float d = d32[(g * G) >> 5];
     a->corr[m * subs + g] = -w->offset * total;
     a->d[m * subs + g] = d;
