@@ -129,7 +129,8 @@ needs_gemm = pytest.mark.skipif(
 
 @needs_gemm
 @pytest.mark.parametrize(
-    "m,n,k", [(1, 40, 768), (6, 32, 256), (7, 72, 512), (9, 17, 768), (64, 100, 1280), (300, 33, 256)]
+    "m,n,k",
+    [(1, 40, 768), (6, 32, 256), (7, 72, 512), (9, 17, 768), (64, 100, 1280), (300, 33, 256)],
 )
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_quantized_gemm_equals_dequantized_matmul(t, m, n, k) -> None:

@@ -15,8 +15,13 @@
 // scale in fp32. The min term is sum over sub-blocks of min * d * (sum of activation quants).
 // The portable path does the same arithmetic lane by lane in plain C.
 //
-// Prefill (`gguf_dequantize_rows`): rows of W dequantized exactly as the PyTorch twin does
-// (fp32, no fused multiply-add), for a GEMM on tiles.
+// Larger batches (`gguf_gemm`, gguf_gemm.c): the same activation quantization, weight tiles
+// unpacked to int8 in VNNI order in a per-thread scratch, a register-blocked vpdpbusd GEMM.
+//
+// Without VNNI (`gguf_dequantize_rows`): rows of W dequantized exactly as the PyTorch twin does
+// (fp32, no fused multiply-add), for a float GEMM on tiles.
+//
+// Shared pieces (weight descriptor, activation quantization, chunk unpacking): gguf_common.h.
 #include <stdlib.h>
 
 #include "gguf_common.h"
