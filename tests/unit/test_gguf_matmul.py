@@ -202,3 +202,19 @@ def test_gguf_linear_fallbacks_agree(monkeypatch) -> None:
     torch.testing.assert_close(method.gguf_linear(x, w, bias).double(), want, atol=1e-3, rtol=1e-5)
     monkeypatch.setattr(method.gguf_kernels, "gguf_dequantize_rows", lambda *a: None)
     torch.testing.assert_close(method.gguf_linear(x, w, bias).double(), want, atol=1e-3, rtol=1e-5)
+
+
+@needs_gemm
+def test_gemm_boundary_rejects_wrong_dtypes_and_shapes() -> None:
+    w, x, bias = _case(T.Q6_K, 7, 16, 256)
+    kg.gguf_gemm(x, w, bias)  # checked once, then cached on w: a replaced tensor is re-checked
+    w.mins = torch.zeros(16, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="mins must be torch.float32"):
+        kg.gguf_gemm(x, w, bias)
+    w, x, bias = _case(T.Q6_K, 7, 16, 256)
+    with pytest.raises(ValueError, match="x has shape"):
+        kg.gguf_gemm(x[:, :128], w, None)
+    with pytest.raises(TypeError, match="bias must be torch.float32"):
+        kg.gguf_gemm(x, w, bias.bfloat16())
+    with pytest.raises(ValueError, match="bias has shape"):
+        kg.gguf_gemm(x, w, bias[:8])
