@@ -2,6 +2,8 @@
 
 - `gguf_gemv`: y = x W^T for decode-sized batches straight from the packed weight, activations
   quantized to int8 per 32-value block, integer dot products (AVX-512 VNNI, or portable C).
+- `gguf_gemm`: the same product for larger batches (prefill), an integer GEMM on weight tiles
+  unpacked to int8 in a per-thread scratch (AVX-512 VNNI only).
 - `gguf_dequantize_rows`: a tile of W rows as bf16/fp32, for prefill GEMMs on oneDNN.
 - `quantize_rows_q8`: the kernels' activation quantization alone (for the tests).
 
@@ -28,6 +30,21 @@ def gguf_isa() -> str | None:
 
 
 def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
+    """The packed tensors' pointers, checked; cached on `w` (decode calls every layer each
+    step) and re-checked whenever one of its tensors or layout fields was replaced."""
+    key = (w.qs, w.qh, w.scales, w.mins, w.bits, w.group, w.offset)
+    cached = w.__dict__.get("_kernel_args")
+    if cached is not None and all(
+        a is b if isinstance(a, torch.Tensor) or a is None else a == b
+        for a, b in zip(key, cached[0])
+    ):
+        return cached[1]
+    args = _check_weight(fn, w)
+    w.__dict__["_kernel_args"] = (key, args)
+    return args
+
+
+def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
     n, k = w.shape
     subs = k // w.group
     qs_width = 64 if w.bits == 8 else 32
@@ -72,6 +89,37 @@ def gguf_gemv(
     lay = (w.bits, w.group, w.offset)
     if not lib.gguf_gemv(*args, y.data_ptr(), m, n, k, *lay, bf16, code, torch.get_num_threads()):
         raise MemoryError(f"{fn}: out of memory or {isa} not compiled in")
+    return y
+
+
+declare("gguf_gemm_compiled", [], _int)
+# x, qs, qh, scales, mins, bias, y, M, N, K, bits, group, offset, bf16, num_threads
+# -> 1 if computed (0: bad layout, no AVX-512 VNNI compiled in, or out of memory)
+declare("gguf_gemm", [_ptr] * 7 + [_i64] * 3 + [_int] * 5, _int)
+
+
+def gguf_gemm(
+    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype, with the GEMV's activation
+    quantization and integer dot products; None without C kernels or AVX-512 VNNI."""
+    lib = cpu_kernels()
+    if lib is None or not lib.gguf_gemm_compiled():
+        return None
+    fn = "gguf_gemm"
+    n, k = w.shape
+    x = x.contiguous()
+    m = x.shape[0]
+    args = (
+        checked(fn, "x", x, _FLOATS, (m, k)),
+        *_weight_args(fn, w),
+        None if bias is None else checked(fn, "bias", bias.contiguous(), x.dtype, (n,)),
+    )
+    y = x.new_empty(m, n)
+    bf16 = int(x.dtype == torch.bfloat16)
+    lay = (w.bits, w.group, w.offset)
+    if not lib.gguf_gemm(*args, y.data_ptr(), m, n, k, *lay, bf16, torch.get_num_threads()):
+        raise MemoryError(f"{fn}: out of memory")
     return y
 
 

@@ -96,26 +96,66 @@ def _case(t: GGMLQuantizationType, m: int, n: int, k: int):
     return w, x, bias
 
 
-@needs_kernels
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 9, 17])
-@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_quantized_gemv_equals_dequantized_matmul(t, m, isa) -> None:
-    n, k = 40, 768
-    w, x, bias = _case(t, m, n, k)
+def _check_against_dequantized(got, w, x, bias) -> None:
+    """got = x W^T + bias within the bounds of the module docstring."""
+    m, k = x.shape
     wd = dequantize_packed(w).double()
     q, d = quantize_activations(x)
     xq = (q.double().view(m, k // 32, 32) * d.double()[..., None]).view(m, k)
     want = xq @ wd.T + bias.double()
     fp32_bound = (xq.abs() @ wd.abs().T) * 2**-20 + 1e-6
-    got = kg.gguf_gemv(x, w, bias, isa=isa)
-    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert got.dtype == torch.float32 and got.shape == (m, w.shape[0])
     assert ((got.double() - want).abs() <= fp32_bound).all()
     # against unquantized activations: half a quantization step per element, at most
     step = d.double().repeat_interleave(32, dim=1) / 2  # [m, k]
     act_bound = step @ wd.abs().T + fp32_bound
     exact = x.double() @ wd.T + bias.double()
     assert ((got.double() - exact).abs() <= act_bound).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 9, 17])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_quantized_gemv_equals_dequantized_matmul(t, m, isa) -> None:
+    w, x, bias = _case(t, m, 40, 768)
+    _check_against_dequantized(kg.gguf_gemv(x, w, bias, isa=isa), w, x, bias)
+
+
+needs_gemm = pytest.mark.skipif(
+    cpu_kernels() is None or not cpu_kernels().gguf_gemm_compiled(), reason="no AVX-512 VNNI"
+)
+
+
+@needs_gemm
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(1, 40, 768), (6, 32, 256), (7, 72, 512), (9, 17, 768), (64, 100, 1280), (300, 33, 256)],
+)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_quantized_gemm_equals_dequantized_matmul(t, m, n, k) -> None:
+    """Every microkernel height (M mod 6), partial column tiles, K-quants at K % 256 == 0."""
+    w, x, bias = _case(t, m, n, k)
+    _check_against_dequantized(kg.gguf_gemm(x, w, bias), w, x, bias)
+
+
+@needs_gemm
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q5_0, T.Q8_0, T.Q5_1], ids=lambda t: t.name)
+def test_quantized_gemm_k_not_multiple_of_256(t) -> None:
+    w, x, bias = _case(t, 11, 50, 320)
+    _check_against_dequantized(kg.gguf_gemm(x, w, None), w, x, torch.zeros(50))
+    # same activation quantization, same exact integer sums: GEMV and GEMM agree closely
+    torch.testing.assert_close(kg.gguf_gemm(x, w, bias), kg.gguf_gemv(x, w, bias))
+
+
+@needs_gemm
+def test_quantized_gemm_bf16_rounds_once() -> None:
+    w, x, bias = _case(T.Q5_0, 13, 48, 256)
+    xb, bb = x.bfloat16(), bias.bfloat16()
+    got = kg.gguf_gemm(xb, w, bb)
+    want = kg.gguf_gemm(xb.float(), w, bb.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2**-8)
 
 
 @needs_kernels
@@ -147,3 +187,34 @@ def test_kernel_boundary_rejects_wrong_dtypes_and_shapes() -> None:
         kg.gguf_gemv(x, w, bias[:8])
     with pytest.raises(TypeError, match="bias must be torch.float32"):
         kg.gguf_gemv(x, w, bias.bfloat16())
+
+
+@needs_kernels
+def test_gguf_linear_fallbacks_agree(monkeypatch) -> None:
+    """Without VNNI the prefill path dequantizes tiles for a float GEMM (exact weights), and
+    without C kernels the PyTorch twin does: both equal the dequantized matmul."""
+    from pagedlm.layers.quantization import gguf as method
+
+    w, x, bias = _case(T.Q4_K, 40, 48, 256)
+    want = x.double() @ dequantize_packed(w).double().T + bias.double()
+    _check_against_dequantized(method.gguf_linear(x, w, bias), w, x, bias)  # integer GEMM
+    monkeypatch.setattr(method.gguf_kernels, "gguf_gemm", lambda *a: None)
+    torch.testing.assert_close(method.gguf_linear(x, w, bias).double(), want, atol=1e-3, rtol=1e-5)
+    monkeypatch.setattr(method.gguf_kernels, "gguf_dequantize_rows", lambda *a: None)
+    torch.testing.assert_close(method.gguf_linear(x, w, bias).double(), want, atol=1e-3, rtol=1e-5)
+
+
+@needs_gemm
+def test_gemm_boundary_rejects_wrong_dtypes_and_shapes() -> None:
+    w, x, bias = _case(T.Q6_K, 7, 16, 256)
+    kg.gguf_gemm(x, w, bias)  # checked once, then cached on w: a replaced tensor is re-checked
+    w.mins = torch.zeros(16, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="mins must be torch.float32"):
+        kg.gguf_gemm(x, w, bias)
+    w, x, bias = _case(T.Q6_K, 7, 16, 256)
+    with pytest.raises(ValueError, match="x has shape"):
+        kg.gguf_gemm(x[:, :128], w, None)
+    with pytest.raises(TypeError, match="bias must be torch.float32"):
+        kg.gguf_gemm(x, w, bias.bfloat16())
+    with pytest.raises(ValueError, match="bias has shape"):
+        kg.gguf_gemm(x, w, bias[:8])

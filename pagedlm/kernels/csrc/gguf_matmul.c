@@ -15,30 +15,22 @@
 // scale in fp32. The min term is sum over sub-blocks of min * d * (sum of activation quants).
 // The portable path does the same arithmetic lane by lane in plain C.
 //
-// Prefill (`gguf_dequantize_rows`): rows of W dequantized exactly as the PyTorch twin does
-// (fp32, no fused multiply-add), for a GEMM on tiles.
+// Larger batches (`gguf_gemm`, gguf_gemm.c): the same activation quantization, weight tiles
+// unpacked to int8 in VNNI order in a per-thread scratch, a register-blocked vpdpbusd GEMM.
+//
+// Without VNNI (`gguf_dequantize_rows`): rows of W dequantized exactly as the PyTorch twin does
+// (fp32, no fused multiply-add), for a float GEMM on tiles.
+//
+// Shared pieces (weight descriptor, activation quantization, chunk unpacking): gguf_common.h.
 #include <stdlib.h>
 
-#include "common.h"
+#include "gguf_common.h"
 
 #define MT_MAX 8  // activation rows per pass
 
-typedef struct {
-  const uint8_t* qs;     // [N][K / 64][32] nibble planes, or [N][K / 64][64] bytes (8 bits)
-  const uint8_t* qh;     // [N][K / 64][8 * (bits - 4)] bit planes (5 and 6 bits), else NULL
-  const float* scales;   // [N][K / G]
-  const float* mins;     // [N][K / G] or NULL
-  int64_t N, K;
-  int bits, group, offset;
-} QWeight;
 
 // ---------------------------------------------------------------------------------- helpers
 
-static inline int64_t qs_stride(const QWeight* w) { return w->bits == 8 ? 64 : 32; }
-
-static inline int64_t qh_stride(const QWeight* w) {
-  return w->bits == 5 || w->bits == 6 ? 8 * (w->bits - 4) : 0;
-}
 
 // Row n of q as K unsigned bytes.
 static void unpack_row_portable(const QWeight* w, int64_t n, uint8_t* restrict q) {
@@ -61,8 +53,7 @@ static void unpack_row_portable(const QWeight* w, int64_t n, uint8_t* restrict q
   }
 }
 
-#if defined(PAGEDLM_AVX512) && defined(__AVX512VNNI__)
-#define PAGEDLM_VNNI 1
+#ifdef PAGEDLM_VNNI
 static void unpack_row_avx512(const QWeight* w, int64_t n, uint8_t* restrict q) {
   const int64_t chunks = w->K / 64, ss = qs_stride(w), hs = qh_stride(w);
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -104,19 +95,6 @@ typedef struct {
   int64_t M;
 } QAct;
 
-// x row (bf16 or fp32) -> int8 per 32-block; d[b] = amax / 127.
-static void quantize_row(const void* x, int64_t m, int64_t K, int bf16, int8_t* restrict q,
-                         float* restrict d, float* restrict buf) {
-  load_row(x, m * K, K, bf16, buf);
-  for (int64_t b = 0; b < K / 32; b++) {
-    const float* v = buf + 32 * b;
-    float amax = 0.f;
-    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    d[b] = amax / 127.f;
-    for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t)nearbyintf(v[i] * inv);
-  }
-}
 
 // Quantize x [M, K] per 32-value block: q int8 [M, K], d fp32 [M, K / 32]. Returns 0 when out
 // of memory.
@@ -196,22 +174,6 @@ static void row_dots_portable(const uint8_t* wq, const float* wl, const QAct* a,
 #define ROWS_MAX 4
 #define PREFETCH_ROWS 8
 
-static inline __attribute__((always_inline)) __m512i unpack_chunk(const QWeight* w, int64_t n,
-                                                                  int64_t c, const int BITS) {
-  const int64_t chunks = w->K / 64;
-  if (BITS == 8) return _mm512_loadu_si512(w->qs + (n * chunks + c) * 64);
-  const __m512i b =
-      _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w->qs + (n * chunks + c) * 32)));
-  __m512i v = _mm512_and_si512(_mm512_srlv_epi64(b, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
-                               _mm512_set1_epi8(15));
-  for (int p = 0; p < BITS - 4; p++) {
-    uint64_t bits;
-    memcpy(&bits, w->qh + (n * chunks + c) * 8 * (BITS - 4) + 8 * p, 8);
-    v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits),
-                                                  _mm512_set1_epi8((char)(1 << (4 + p)))));
-  }
-  return v;
-}
 
 static inline __attribute__((always_inline)) void fused_dots(const QWeight* w, int64_t n0,
                                                              const int NR, const QAct* a,
@@ -289,11 +251,6 @@ static void fused(const QWeight* w, int64_t n0, int nr, const QAct* a, int64_t m
 
 // ---------------------------------------------------------------------------------- entries
 
-static int valid(const QWeight* w) {
-  const int bits_ok = w->bits == 4 || w->bits == 5 || w->bits == 6 || w->bits == 8;
-  return bits_ok && (w->group == 16 || w->group == 32) && w->N > 0 && w->K > 0 &&
-         w->K % 64 == 0;
-}
 
 int gguf_vnni_compiled(void) {
 #ifdef PAGEDLM_VNNI

@@ -8,7 +8,8 @@ loading, consecutive shards of one GGML type are merged into one packed group (f
 mix types: Qwen2's v_proj is often Q8_0 next to Q5_0 q/k), and `apply` computes each group:
 
 - up to `GEMV_ROWS` rows: the integer GEMV (`kernels.gguf.gguf_gemv`);
-- more rows (prefill): tiles of dequantized rows through oneDNN (F.linear);
+- more rows (prefill, large decode batches): the integer GEMM (`kernels.gguf.gguf_gemm`);
+- without AVX-512 VNNI: tiles of dequantized rows through oneDNN (F.linear);
 - without C kernels: the PyTorch twin (`dequantize_packed`) then F.linear.
 """
 
@@ -31,7 +32,7 @@ from pagedlm.layers.quantization.gguf_pack import (
 )
 from pagedlm.model_loader.gguf_quants import dequantize
 
-GEMV_ROWS = 32  # integer GEMV up to here, dequantized tiles + oneDNN past it (crossover 32-64)
+GEMV_ROWS = 4  # integer GEMV up to here, the integer GEMM past it (crossover 4-8 rows)
 _TILE_VALUES = 1 << 20  # weight values dequantized per prefill tile (2 MB in bf16)
 
 
@@ -210,11 +211,15 @@ def _cat_packed(parts: list[PackedGGUFWeight]) -> PackedGGUFWeight:
 def gguf_linear(
     x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) in x's dtype: integer GEMV for decode-sized M, dequantized
-    tiles through oneDNN otherwise, the PyTorch twin without C kernels."""
+    """x [M, K] @ W^T (+ bias) in x's dtype: integer GEMV for decode-sized M, integer GEMM
+    past it, dequantized tiles through oneDNN without VNNI, the PyTorch twin without C."""
     native = x.dtype in (torch.bfloat16, torch.float32)
-    if native and x.shape[0] <= GEMV_ROWS:
-        y = gguf_kernels.gguf_gemv(x, w, None if bias is None else bias.to(x.dtype))
+    if native:
+        b = None if bias is None else bias.to(x.dtype)
+        if x.shape[0] <= GEMV_ROWS:
+            y = gguf_kernels.gguf_gemv(x, w, b)
+        else:
+            y = gguf_kernels.gguf_gemm(x, w, b)
         if y is not None:
             return y
     n, k = w.shape

@@ -1,0 +1,262 @@
+// Batched y[M, N] = x[M, K] . W[N, K]^T on packed GGUF weights (layout: gguf_matmul.c) in
+// integer arithmetic, for prefill chunks and large decode batches (AVX-512 VNNI only; without
+// it the caller dequantizes tiles for a float GEMM).
+//
+// 1. x is quantized per row and 32-value block to int8 exactly as the GEMV does (quantize_row:
+//    d = amax / 127, round half to even). Per weight sub-block g (G = 16 or 32 values) of each
+//    row: corr = -offset * (sum of its quants), d of its 32-block, and with mins d * (sum).
+// 2. W is cut into tiles of NT = 32 output columns. A thread unpacks a tile once into an
+//    L2-sized scratch in the VNNI order [K / 4][32][4] (4 consecutive k of a column per int32
+//    lane: 16 rows' 64-value chunks transposed as a 16 x 16 dword matrix), scales and mins
+//    transposed to [K / G][32], padding columns past N with zero quants and scales.
+// 3. The microkernel holds MR activation rows x 32 columns: per sub-block, int32 accumulators
+//    start at corr and take G / 4 vpdpbusd steps (weight quant u8 x activation quant s8, exact);
+//    then fp32 acc += (float)(int sum) * d * scale (and -= min * d * sum with mins).
+// Every sum is exact in int32 (|sum| <= 32 * 255 * 127); the float rounding differs from the
+// GEMV's only in summation order.
+#include <omp.h>
+
+#include "gguf_common.h"
+
+#ifdef PAGEDLM_VNNI
+#define NT 32    // output columns per tile (two 16-lane vectors)
+#define MR_MAX 6  // activation rows per microkernel call
+
+typedef struct {
+  int8_t* q;      // [M][K]
+  int32_t* corr;  // [M][K / G]: -offset * sum of the sub-block's quants
+  float* d;       // [M][K / G]: scale of the sub-block's 32-value block
+  float* dsum;    // [M][K / G]: d * sum of the sub-block's quants (weights with mins), or NULL
+} GemmAct;
+
+static void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf16,
+                             const GemmAct* a, float* restrict buf, float* restrict d32) {
+  const int64_t K = w->K, G = w->group, subs = K / G;
+  int8_t* q = a->q + m * K;
+  quantize_row(x, m, K, bf16, q, d32, buf);
+  int32_t sums[8];  // per 8 quants of a 64-value chunk: sum(q + 128) by vpsadbw, less 8 * 128
+  for (int64_t g = 0; g < subs; g++) {
+    const int per = G / 8;  // sums per sub-block
+    if ((g * G) % 64 == 0) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(q + g * G), _mm512_set1_epi8(-128));
+      _mm256_storeu_si256((__m256i*)sums,
+                          _mm512_cvtepi64_epi32(_mm512_sad_epu8(u, _mm512_setzero_si512())));
+    }
+    const int first = (int)((g * G) % 64) / 8;
+    int32_t total = -1024 * per;
+    for (int i = 0; i < per; i++) total += sums[first + i];
+    const float d = d32[(g * G) >> 5];
+    a->corr[m * subs + g] = -w->offset * total;
+    a->d[m * subs + g] = d;
+    if (a->dsum != NULL) a->dsum[m * subs + g] = d * (float)total;
+  }
+}
+
+// Tile of columns n0 .. n0 + 31 into wt [K / 4][32][4], sT and mT [K / G][32].
+static inline __attribute__((always_inline)) void unpack_tile(const QWeight* w, int64_t n0,
+                                                              uint8_t* restrict wt,
+                                                              float* restrict sT,
+                                                              float* restrict mT,
+                                                              const int BITS) {
+  const int64_t chunks = w->K / 64, subs = w->K / w->group;
+  for (int half = 0; half < 2; half++) {
+    const int64_t base = n0 + 16 * half;
+    const int valid_rows = w->N - base >= 16 ? 16 : (w->N > base ? (int)(w->N - base) : 0);
+    for (int64_t c = 0; c < chunks; c++) {
+      __m512 r[16];
+      for (int i = 0; i < 16; i++)
+        r[i] = i < valid_rows ? _mm512_castsi512_ps(unpack_chunk(w, base + i, c, BITS))
+                              : _mm512_setzero_ps();
+      transpose16(r);  // r[j] lane i = k values 64c + 4j .. 4j + 3 of row base + i
+      for (int j = 0; j < 16; j++)
+        _mm512_store_ps((float*)(wt + ((c * 16 + j) * NT + 16 * half) * 4), r[j]);
+    }
+  }
+  for (int i = 0; i < NT; i++) {
+    const int in = n0 + i < w->N;
+    const float* sc = w->scales + (n0 + i) * subs;
+    const float* mn = w->mins == NULL ? NULL : w->mins + (n0 + i) * subs;
+    for (int64_t g = 0; g < subs; g++) {
+      sT[g * NT + i] = in ? sc[g] : 0.f;
+      if (mT != NULL) mT[g * NT + i] = in && mn != NULL ? mn[g] : 0.f;
+    }
+  }
+}
+
+static void unpack_tile_any(const QWeight* w, int64_t n0, uint8_t* wt, float* sT, float* mT) {
+  switch (w->bits) {
+    case 4: unpack_tile(w, n0, wt, sT, mT, 4); break;
+    case 5: unpack_tile(w, n0, wt, sT, mT, 5); break;
+    case 6: unpack_tile(w, n0, wt, sT, mT, 6); break;
+    default: unpack_tile(w, n0, wt, sT, mT, 8);
+  }
+}
+
+// out[i][0 .. 31] = dots of activation rows m0 .. m0 + MR - 1 with the tile's 32 columns.
+static inline __attribute__((always_inline)) void micro(const uint8_t* restrict wt,
+                                                        const float* restrict sT,
+                                                        const float* restrict mT,
+                                                        const GemmAct* a, int64_t K, int64_t m0,
+                                                        const int MR, const int G,
+                                                        const int MINS, float* out) {
+  const int64_t subs = K / G;
+  const int8_t* rows[MR_MAX];
+  const int32_t* corr[MR_MAX];
+  const float* dd[MR_MAX];
+  const float* ds[MR_MAX];
+  for (int i = 0; i < MR; i++) {
+    rows[i] = a->q + (m0 + i) * K;
+    corr[i] = a->corr + (m0 + i) * subs;
+    dd[i] = a->d + (m0 + i) * subs;
+    ds[i] = MINS ? a->dsum + (m0 + i) * subs : NULL;
+  }
+  __m512 f[MR_MAX][2];
+  for (int i = 0; i < MR; i++) f[i][0] = f[i][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < subs; g++) {
+    __m512i acc[MR_MAX][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_set1_epi32(corr[i][g]);
+    const uint8_t* wp = wt + g * G * NT;
+    for (int s = 0; s < G / 4; s++) {
+      const __m512i w0 = _mm512_load_si512(wp + s * 4 * NT);
+      const __m512i w1 = _mm512_load_si512(wp + s * 4 * NT + 64);
+      for (int i = 0; i < MR; i++) {
+        int32_t v;
+        memcpy(&v, rows[i] + g * G + 4 * s, 4);
+        const __m512i av = _mm512_set1_epi32(v);
+        acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], w0, av);
+        acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], w1, av);
+      }
+    }
+    const __m512 s0 = _mm512_load_ps(sT + g * NT), s1 = _mm512_load_ps(sT + g * NT + 16);
+    for (int i = 0; i < MR; i++) {
+      const __m512 dv = _mm512_set1_ps(dd[i][g]);
+      f[i][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][0]), dv), s0, f[i][0]);
+      f[i][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][1]), dv), s1, f[i][1]);
+    }
+    if (MINS) {
+      const __m512 n0 = _mm512_load_ps(mT + g * NT), n1 = _mm512_load_ps(mT + g * NT + 16);
+      for (int i = 0; i < MR; i++) {
+        const __m512 sv = _mm512_set1_ps(ds[i][g]);
+        f[i][0] = _mm512_fnmadd_ps(n0, sv, f[i][0]);
+        f[i][1] = _mm512_fnmadd_ps(n1, sv, f[i][1]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    _mm512_storeu_ps(out + i * NT, f[i][0]);
+    _mm512_storeu_ps(out + i * NT + 16, f[i][1]);
+  }
+}
+
+#define MICRO_FOR(G, MINS)                                                                   \
+  static void micro_g##G##_m##MINS(const uint8_t* wt, const float* sT, const float* mT,      \
+                                   const GemmAct* a, int64_t K, int64_t m0, int mr,          \
+                                   float* out) {                                             \
+    switch (mr) {                                                                            \
+      case 6: micro(wt, sT, mT, a, K, m0, 6, G, MINS, out); break;                           \
+      case 5: micro(wt, sT, mT, a, K, m0, 5, G, MINS, out); break;                           \
+      case 4: micro(wt, sT, mT, a, K, m0, 4, G, MINS, out); break;                           \
+      case 3: micro(wt, sT, mT, a, K, m0, 3, G, MINS, out); break;                           \
+      case 2: micro(wt, sT, mT, a, K, m0, 2, G, MINS, out); break;                           \
+      default: micro(wt, sT, mT, a, K, m0, 1, G, MINS, out);                                 \
+    }                                                                                        \
+  }
+MICRO_FOR(16, 0)
+MICRO_FOR(16, 1)
+MICRO_FOR(32, 0)
+MICRO_FOR(32, 1)
+
+static void micro_any(const QWeight* w, const uint8_t* wt, const float* sT, const float* mT,
+                      const GemmAct* a, int64_t m0, int mr, float* out) {
+  const int64_t K = w->K;
+  if (w->group == 16) {
+    if (w->mins != NULL) micro_g16_m1(wt, sT, mT, a, K, m0, mr, out);
+    else micro_g16_m0(wt, sT, mT, a, K, m0, mr, out);
+  } else {
+    if (w->mins != NULL) micro_g32_m1(wt, sT, mT, a, K, m0, mr, out);
+    else micro_g32_m0(wt, sT, mT, a, K, m0, mr, out);
+  }
+}
+#endif
+
+int gguf_gemm_compiled(void) {
+#ifdef PAGEDLM_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// y [M, N] (bf16 or fp32, as x) = x W^T (+ bias, in x's dtype). Returns 1 if computed; 0 for
+// bad arguments, no AVX-512 VNNI compiled in, or out of memory.
+int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const float* scales,
+              const float* mins, const void* bias, void* y, int64_t M, int64_t N, int64_t K,
+              int bits, int group, int offset, int bf16, int num_threads) {
+#ifndef PAGEDLM_VNNI
+  (void)x, (void)qs, (void)qh, (void)scales, (void)mins, (void)bias, (void)y, (void)M, (void)N;
+  (void)K, (void)bits, (void)group, (void)offset, (void)bf16, (void)num_threads;
+  return 0;
+#else
+  const QWeight w = {qs, qh, scales, mins, N, K, bits, group, offset};
+  if (!valid(&w) || M < 1) return 0;
+  const int64_t subs = K / group, tiles = (N + NT - 1) / NT;
+  int ok = 1;
+  // One synchronization point (the region's end; a stalled thread at a barrier costs a whole
+  // scheduler slice on a shared machine): each thread quantizes the activations for itself.
+#pragma omp parallel num_threads(num_threads)
+  {
+    GemmAct a = {aligned_alloc(64, M * K), malloc(sizeof(int32_t) * M * subs),
+                 malloc(sizeof(float) * M * subs),
+                 mins != NULL ? malloc(sizeof(float) * M * subs) : NULL};
+    float* buf = malloc(sizeof(float) * (K + K / 32));
+    uint8_t* wt = aligned_alloc(64, NT * K);
+    float* sT = aligned_alloc(64, sizeof(float) * NT * subs);
+    float* mT = mins != NULL ? aligned_alloc(64, sizeof(float) * NT * subs) : NULL;
+    const int mine = a.q != NULL && a.corr != NULL && a.d != NULL &&
+                     (mins == NULL || a.dsum != NULL) && buf != NULL && wt != NULL &&
+                     sT != NULL && (mins == NULL || mT != NULL);
+    if (!mine) {
+#pragma omp atomic write
+      ok = 0;
+    } else {
+      const int nth = omp_get_num_threads(), me = omp_get_thread_num();
+      const int64_t t0 = tiles * me / nth, t1 = tiles * (me + 1) / nth;
+      if (t1 > t0)
+        for (int64_t m = 0; m < M; m++) quantize_act_row(x, m, &w, bf16, &a, buf, buf + K);
+      for (int64_t t = t0; t < t1; t++) {
+        const int64_t n0 = t * NT;
+        const int cols = N - n0 < NT ? (int)(N - n0) : NT;
+        unpack_tile_any(&w, n0, wt, sT, mT);
+        float bv[NT] = {0};
+        if (bias != NULL) load_row(bias, n0, cols, bf16, bv);
+        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+          const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
+          float out[MR_MAX * NT];
+          micro_any(&w, wt, sT, mT, &a, m0, mr, out);
+          for (int i = 0; i < mr; i++) {
+            const int64_t at = (m0 + i) * N + n0;
+            for (int j = 0; j < cols; j++) out[i * NT + j] += bv[j];
+            if (cols == NT) {
+              store16(y, at, _mm512_loadu_ps(out + i * NT), bf16);
+              store16(y, at + 16, _mm512_loadu_ps(out + i * NT + 16), bf16);
+            } else if (bf16) {
+              for (int j = 0; j < cols; j++) ((uint16_t*)y)[at + j] = to_bf16(out[i * NT + j]);
+            } else {
+              memcpy((float*)y + at, out + i * NT, sizeof(float) * cols);
+            }
+          }
+        }
+      }
+    }
+    free(a.q);
+    free(a.corr);
+    free(a.d);
+    free(a.dsum);
+    free(buf);
+    free(wt);
+    free(sT);
+    free(mT);
+  }
+  return ok;
+#endif
+}
