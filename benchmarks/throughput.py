@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -125,16 +124,8 @@ def run_transformers(spec: dict) -> dict:
     return best
 
 
-def run_pagedlm_dequantized(spec: dict) -> dict:
-    """pagedlm with a GGUF model's weights dequantized to bf16 at load (against the packed
-    integer kernels); the same as "pagedlm" for safetensors models."""
-    os.environ["PAGEDLM_GGUF_DEQUANTIZE"] = "1"
-    return run_llm_api("pagedlm", spec)
-
-
 WORKERS = {
     "pagedlm": lambda spec: run_llm_api("pagedlm", spec),
-    "pagedlm-bf16": run_pagedlm_dequantized,
     "pagedlm-nocache": lambda spec: run_llm_api("pagedlm", spec, prefix_caching=False),
     # the packaged GGUF file itself, weights kept packed (quantization="gguf", its default)
     "pagedlm-gguf": lambda spec: run_llm_api("pagedlm", {**spec, "model": spec["gguf"]}),
