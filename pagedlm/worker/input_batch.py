@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.lora.request import LoRARequest
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 
@@ -82,6 +84,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Rows whose request needs a per-request look when sampled (seed, sparse processors).
         self.needs_visit = np.zeros(max_num_reqs, dtype=bool)
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # LoRA adapter id, 0 = none
         self._row_arrays = [
             self.num_tokens,
             self.num_prompt_tokens,
@@ -97,6 +100,7 @@ class InputBatch:
             self.num_logprobs,
             self.min_tokens,
             self.needs_visit,
+            self.lora_id,
         ]
 
     @property
@@ -120,6 +124,7 @@ class InputBatch:
         self.block_table[row, : len(state.block_ids)] = state.block_ids
         self.num_blocks[row] = len(state.block_ids)
         self._write_sampling_params(row, state.sampling_params)
+        self.lora_id[row] = state.lora_request.lora_int_id if state.lora_request else 0
         return row
 
     def _write_sampling_params(self, row: int, p: SamplingParams | None) -> None:
@@ -184,6 +189,7 @@ class InputBatch:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 token_type_ids=new.token_type_ids,
+                lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
             self.add_request(state)

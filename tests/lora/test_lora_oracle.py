@@ -1,0 +1,129 @@
+"""Multi-LoRA serving against transformers with each PEFT adapter merged (fp32, greedy): one
+mixed batch of three adapters and the base model, LRU eviction through one slot, and prefix
+caching that never shares KV between adapters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.lora.request import LoRARequest
+from tests.lora.peft_utils import hf_reference, merged_model, random_prompts
+
+MAX_TOKENS = 6
+PARAMS = SamplingParams(
+    temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=0
+)
+_REFS: dict[tuple, list] = {}
+
+
+def reference(base: Path, adapter: Path | None, prompts, tmp_path_factory) -> list:
+    key = (str(base), str(adapter), tuple(map(tuple, prompts)))
+    if key not in _REFS:
+        merged = merged_model(base, adapter, tmp_path_factory.mktemp("merged"))
+        _REFS[key] = hf_reference(merged, prompts, MAX_TOKENS)
+    return _REFS[key]
+
+
+def check_outputs(outputs, prompts, adapters, base, tmp_path_factory) -> None:
+    """Each output equals transformers with its adapter merged (None: the base model)."""
+    for name in set(adapters):
+        rows = [i for i, a in enumerate(adapters) if a == name]
+        want = reference(base, name, [prompts[i] for i in rows], tmp_path_factory)
+        for i, (tokens, logprobs, prompt_logprobs) in zip(rows, want):
+            completion = outputs[i].outputs[0]
+            assert list(completion.token_ids) == tokens, (i, name)
+            got = [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
+            assert got == pytest.approx(logprobs, abs=1e-4)
+            got_prompt = [
+                lp[t].logprob for lp, t in zip(outputs[i].prompt_logprobs[1:], prompts[i][1:])
+            ]
+            assert got_prompt == pytest.approx(prompt_logprobs, abs=1e-4)
+
+
+def generate(llm, prompts, loras):
+    return llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], PARAMS, lora_request=loras, use_tqdm=False
+    )
+
+
+def test_mixed_batch_of_three_adapters_and_base(
+    tiny_qwen2, qwen2_adapters, tmp_path_factory
+) -> None:
+    a1, a2, a3 = (qwen2_adapters[k] for k in ("a1", "a2", "a3"))
+    # 150 tokens: the MLP runs that prefill in row chunks (dense_chunk_rows on CPU)
+    prompts = random_prompts([3, 17, 40, 150, 9, 25, 60, 5])
+    adapters = [None, a1, a2, a3, a1, None, a3, a2]
+    requests = {a: LoRARequest(Path(a).name, i + 1, str(a)) for i, a in enumerate((a1, a2, a3))}
+    llm = LLM(
+        str(tiny_qwen2),
+        dtype="float32",
+        max_model_len=256,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+    )
+    loras = [requests.get(a) for a in adapters]
+    outputs = generate(llm, prompts, loras)
+    check_outputs(outputs, prompts, adapters, tiny_qwen2, tmp_path_factory)
+    assert [o.lora_request for o in outputs] == loras
+    # the adapters change the model: the test above could fail
+    base = reference(tiny_qwen2, None, prompts, tmp_path_factory)
+    for i, a in enumerate(adapters):
+        if a is not None:
+            assert outputs[i].prompt_logprobs[1:] and max(
+                abs(lp[t].logprob - w)
+                for lp, t, w in zip(outputs[i].prompt_logprobs[1:], prompts[i][1:], base[i][2])
+            ) > 1e-2
+    assert llm.llm_engine.list_loras() == {1, 2, 3}
+
+
+def test_lru_eviction_one_slot_two_cached(tiny_qwen2, qwen2_adapters, tmp_path_factory) -> None:
+    names = ["a1", "a2", "a3", "a4"]
+    paths = [qwen2_adapters[n] for n in names]
+    requests = [LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(zip(names, paths))]
+    prompts = random_prompts([12, 30, 7, 21, 12, 30, 7, 21], seed=3)
+    llm = LLM(
+        str(tiny_qwen2),
+        dtype="float32",
+        max_model_len=256,
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=2,
+        max_lora_rank=8,
+    )
+    outputs = generate(llm, prompts, [requests[i % 4] for i in range(8)])
+    check_outputs(outputs, prompts, [paths[i % 4] for i in range(8)], tiny_qwen2, tmp_path_factory)
+    assert len(llm.llm_engine.list_loras()) == 2
+
+
+def test_prefix_cache_is_per_adapter(tiny_qwen2, qwen2_adapters, tmp_path_factory) -> None:
+    a1, a2 = qwen2_adapters["a1"], qwen2_adapters["a2"]
+    r1, r2 = LoRARequest("a1", 1, str(a1)), LoRARequest("a2", 2, str(a2))
+    prompt = random_prompts([40], seed=5)
+    llm = LLM(
+        str(tiny_qwen2),
+        dtype="float32",
+        max_model_len=256,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        enable_prefix_caching=True,
+        block_size=16,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+    def run(lora):
+        out = llm.generate([{"prompt_token_ids": prompt[0]}], params, lora_request=lora)[0]
+        return out.num_cached_tokens, list(out.outputs[0].token_ids)
+
+    first = run(r1)
+    other = run(r2)
+    base = run(None)
+    again = run(r1)
+    assert first[0] == 0 and other[0] == 0 and base[0] == 0  # nothing shared across adapters
+    assert again[0] == 32  # the same adapter reuses its two full prompt blocks
+    for (_, tokens), adapter in ((first, a1), (other, a2), (base, None), (again, a1)):
+        assert tokens == reference(tiny_qwen2, adapter, prompt, tmp_path_factory)[0][0]
