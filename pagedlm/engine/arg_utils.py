@@ -76,6 +76,10 @@ _HELP: dict[str, str] = {
     "async_scheduling": "Refused when true: the CPU engine schedules synchronously.",
     "compilation_config": "Refused unless empty: pagedlm runs the model eagerly.",
     "model_impl": "auto or vllm: pagedlm's own model implementations (not transformers).",
+    "enable_lora": "Serve PEFT LoRA adapters (LoRARequest per request).",
+    "max_loras": "Most distinct LoRA adapters in one step (worker slots).",
+    "max_lora_rank": "Largest LoRA rank accepted (slot size).",
+    "max_cpu_loras": "LoRA adapters kept loaded in host memory (LRU); default max_loras.",
     "enable_sleep_mode": "Allow LLM.sleep(level=1|2): free the KV cache (and weights).",
     "weight_transfer_config": 'JSON dict or WeightTransferConfig: {"backend": "ipc"|"gloo"} '
     "for RL weight updates (init_weight_transfer_engine / update_weights).",

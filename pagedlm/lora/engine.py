@@ -52,16 +52,23 @@ class EngineLoRAMixin:
             raise ValueError("LoRA is not enabled; pass LLM(..., enable_lora=True).")
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load the adapter on every rank (host cache); False if it was already loaded."""
+        """Load the adapter on every rank (host cache); False if it was already loaded.
+        `load_inplace=True` reads it again (new weights; the prefix cache is invalidated)."""
         self._require_lora()
         known = self._loras.get(lora_request.lora_int_id)
-        if known is not None and known.lora_path != lora_request.lora_path:
+        if (
+            known is not None
+            and known.lora_path != lora_request.lora_path
+            and not lora_request.load_inplace
+        ):
             raise ValueError(
                 f"lora_int_id {lora_request.lora_int_id} already names adapter "
                 f"{known.lora_name!r} ({known.lora_path}); remove_lora() it first."
             )
         loaded = self.model_executor.collective_rpc("add_lora", args=(lora_request,))
         self._loras[lora_request.lora_int_id] = lora_request
+        if lora_request.load_inplace and known is not None:  # new weights under a known id
+            self.scheduler.kv_cache_manager.invalidate_prefix_cache()
         return bool(loaded[0])
 
     def remove_lora(self, lora_id: int) -> bool:

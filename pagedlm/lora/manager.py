@@ -49,11 +49,21 @@ class WorkerLoRAManager:
 
     # ------------------------------------------------------------------ cache
     def add_adapter(self, request: LoRARequest, keep: frozenset[int] = frozenset()) -> bool:
-        """Load (and validate) the adapter into the host cache; True if it was loaded now."""
-        if request.lora_int_id in self.cache:
-            self.cache.move_to_end(request.lora_int_id)
+        """Load (and validate) the adapter into the host cache; True if it was loaded now.
+        With `load_inplace` a cached adapter of that id is read again (and its slot rewritten)."""
+        lora_id = request.lora_int_id
+        if lora_id in self.cache and not request.load_inplace:
+            self.cache.move_to_end(lora_id)
             return False
         model = load_lora_model(request, self.layers, self.config.max_lora_rank, self.dtype)
+        if lora_id in self.cache:  # load_inplace
+            self.cache[lora_id] = model
+            self.cache.move_to_end(lora_id)
+            slot = self.slot_lru.get(lora_id)
+            if slot is not None:
+                for name, layer in self.layers.items():
+                    layer.set_slot(slot, model.weights.get(name))
+            return True
         self._make_room(keep)
         self.cache[request.lora_int_id] = model
         return True

@@ -4,7 +4,6 @@ lengths, the lora_requests_info metric, and the scheduler's max_loras per step."
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -130,3 +129,43 @@ def test_max_loras_per_step_and_metric(llm, qwen2_adapters) -> None:
     # step 1: a1, a2 and the base request run; both a3 requests wait (skipped, not blocking)
     assert steps[0] == ({"a1", "a2"}, 3, "a3")
     assert any(running == {"a3"} for running, _, _ in steps[1:])
+
+
+def test_async_llm_lora_matches_llm(llm, tiny_qwen2, qwen2_adapters) -> None:
+    import asyncio
+
+    from pagedlm import AsyncEngineArgs, AsyncLLMEngine
+
+    a1, a2 = (LoRARequest(n, i + 1, str(qwen2_adapters[n])) for i, n in enumerate(["a1", "a2"]))
+    args = AsyncEngineArgs(
+        model=str(tiny_qwen2),
+        dtype="float32",
+        max_model_len=128,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    engine = AsyncLLMEngine.from_engine_args(args)
+
+    async def final(prompt, lora, request_id):
+        last = None
+        async for out in engine.generate(prompt, PARAMS, request_id, lora_request=lora):
+            last = out
+        return last
+
+    async def main():
+        assert await engine.add_lora(a2) is True
+        assert await engine.list_loras() == {2}
+        return await asyncio.gather(
+            *(final(PROMPTS[0], lora, str(i)) for i, lora in enumerate([a1, a2, None]))
+        )
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    want = llm.generate([PROMPTS[0]] * 3, PARAMS, lora_request=[a1, a2, None], use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        list(o.outputs[0].token_ids) for o in want
+    ]
+    assert [o.lora_request for o in outs] == [a1, a2, None]

@@ -37,15 +37,17 @@ def check_outputs(outputs, prompts, adapters, base, tmp_path_factory) -> None:
             assert list(completion.token_ids) == tokens, (i, name)
             got = [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
             assert got == pytest.approx(logprobs, abs=1e-4)
+            if outputs[i].prompt_logprobs is None:
+                continue
             got_prompt = [
                 lp[t].logprob for lp, t in zip(outputs[i].prompt_logprobs[1:], prompts[i][1:])
             ]
             assert got_prompt == pytest.approx(prompt_logprobs, abs=1e-4)
 
 
-def generate(llm, prompts, loras):
+def generate(llm, prompts, loras, params=PARAMS):
     return llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], PARAMS, lora_request=loras, use_tqdm=False
+        [{"prompt_token_ids": p} for p in prompts], params, lora_request=loras, use_tqdm=False
     )
 
 
@@ -73,30 +75,43 @@ def test_mixed_batch_of_three_adapters_and_base(
     base = reference(tiny_qwen2, None, prompts, tmp_path_factory)
     for i, a in enumerate(adapters):
         if a is not None:
-            assert outputs[i].prompt_logprobs[1:] and max(
-                abs(lp[t].logprob - w)
-                for lp, t, w in zip(outputs[i].prompt_logprobs[1:], prompts[i][1:], base[i][2])
-            ) > 1e-2
+            assert (
+                outputs[i].prompt_logprobs[1:]
+                and max(
+                    abs(lp[t].logprob - w)
+                    for lp, t, w in zip(outputs[i].prompt_logprobs[1:], prompts[i][1:], base[i][2])
+                )
+                > 1e-2
+            )
     assert llm.llm_engine.list_loras() == {1, 2, 3}
 
 
-def test_lru_eviction_one_slot_two_cached(tiny_qwen2, qwen2_adapters, tmp_path_factory) -> None:
+def test_lru_eviction_one_slot_two_cached_with_preemption(
+    tiny_qwen2, qwen2_adapters, tmp_path_factory
+) -> None:
     names = ["a1", "a2", "a3", "a4"]
     paths = [qwen2_adapters[n] for n in names]
     requests = [LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(zip(names, paths))]
-    prompts = random_prompts([12, 30, 7, 21, 12, 30, 7, 21], seed=3)
+    prompts = random_prompts([60, 62, 61, 63, 60, 62, 61, 63], seed=3)
     llm = LLM(
         str(tiny_qwen2),
         dtype="float32",
-        max_model_len=256,
+        max_model_len=128,
         enable_lora=True,
         max_loras=1,
         max_cpu_loras=2,
         max_lora_rank=8,
+        # chunked prefills and preemptions (8 blocks of 16 tokens) along the way
+        block_size=16,
+        num_gpu_blocks_override=8,
+        max_num_batched_tokens=16,
     )
-    outputs = generate(llm, prompts, [requests[i % 4] for i in range(8)])
+    # (no prompt logprobs: a preempted request re-emits them, a bug outside LoRA)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = generate(llm, prompts, [requests[i % 4] for i in range(8)], params)
     check_outputs(outputs, prompts, [paths[i % 4] for i in range(8)], tiny_qwen2, tmp_path_factory)
     assert len(llm.llm_engine.list_loras()) == 2
+    assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
 def test_prefix_cache_is_per_adapter(tiny_qwen2, qwen2_adapters, tmp_path_factory) -> None:
