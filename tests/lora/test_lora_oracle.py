@@ -10,7 +10,7 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.lora.request import LoRARequest
-from tests.lora.peft_utils import hf_reference, merged_model, random_prompts
+from tests.lora.peft_utils import hf_reference, make_adapter, merged_model, random_prompts
 
 MAX_TOKENS = 6
 PARAMS = SamplingParams(
@@ -142,3 +142,57 @@ def test_prefix_cache_is_per_adapter(tiny_qwen2, qwen2_adapters, tmp_path_factor
     assert again[0] == 32  # the same adapter reuses its two full prompt blocks
     for (_, tokens), adapter in ((first, a1), (other, a2), (base, None), (again, a1)):
         assert tokens == reference(tiny_qwen2, adapter, prompt, tmp_path_factory)[0][0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_other_architectures(arch, tiny_model_factory, tmp_path_factory) -> None:
+    if arch == "gemma3":
+        from tests.models.test_gemma3 import make_tiny_gemma3
+
+        model = make_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+    else:
+        model = tiny_model_factory(arch)
+    adapter = make_adapter(model, tmp_path_factory.mktemp(f"{arch}-lora"), r=8, alpha=8, seed=21)
+    prompts = random_prompts([11, 37, 4], seed=9)
+    adapters = [adapter, None, adapter]
+    llm = LLM(str(model), dtype="float32", max_model_len=256, enable_lora=True, max_lora_rank=8)
+    request = LoRARequest("x", 7, str(adapter))
+    outputs = generate(llm, prompts, [request if a else None for a in adapters])
+    check_outputs(outputs, prompts, adapters, model, tmp_path_factory)
+
+
+def test_pytorch_bin_adapter_and_beam_search(tiny_qwen2, qwen2_adapters, tmp_path) -> None:
+    """adapter_model.bin loads like the safetensors file; beam search takes one adapter per
+    prompt."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from pagedlm.sampling_params import BeamSearchParams
+
+    src = Path(qwen2_adapters["a1"])
+    binary = tmp_path / "a1-bin"
+    binary.mkdir()
+    shutil.copy(src / "adapter_config.json", binary)
+    torch.save(load_file(str(src / "adapter_model.safetensors")), binary / "adapter_model.bin")
+    llm = LLM(
+        str(tiny_qwen2),
+        dtype="float32",
+        max_model_len=128,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    st, bn = LoRARequest("st", 1, str(src)), LoRARequest("bin", 2, str(binary))
+    prompts = random_prompts([9, 21], seed=4)
+    outs = generate(llm, prompts * 2, [st, st, bn, bn])
+    for a, b in zip(outs[:2], outs[2:]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob)
+    beams = llm.beam_search(
+        [{"prompt_token_ids": p} for p in prompts],
+        BeamSearchParams(beam_width=2, max_tokens=3),
+        lora_request=[st, None],
+    )
+    assert [b.sequences[0].lora_request for b in beams] == [st, None]
