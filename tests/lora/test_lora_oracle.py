@@ -196,3 +196,47 @@ def test_pytorch_bin_adapter_and_beam_search(tiny_qwen2, qwen2_adapters, tmp_pat
         lora_request=[st, None],
     )
     assert [b.sequences[0].lora_request for b in beams] == [st, None]
+
+
+def test_gguf_base_model(tiny_llama, tmp_path_factory) -> None:
+    """Adapters apply on a GGUF base (linear method "gguf"); F32 GGUF: exact."""
+    pytest.importorskip("gguf")
+    from tests.gguf_writer import write_llama_gguf
+
+    path = write_llama_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    adapter = make_adapter(tiny_llama, tmp_path_factory.mktemp("llama-lora"), r=4, seed=31)
+    prompts = random_prompts([14, 30], seed=6)
+    llm = LLM(
+        str(path),
+        tokenizer=str(tiny_llama),
+        dtype="float32",
+        max_model_len=128,
+        enable_lora=True,
+        max_lora_rank=8,
+    )
+    assert llm.llm_engine.vllm_config.model_config.quantization == "gguf"
+    outputs = generate(llm, prompts, [LoRARequest("g", 1, str(adapter)), None])
+    check_outputs(outputs, prompts, [adapter, None], tiny_llama, tmp_path_factory)
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "bfloat16"}, {"quantization": "int8"}])
+def test_bf16_and_int8_base_close_to_fp32_reference(
+    kwargs, tiny_qwen2, qwen2_adapters, tmp_path_factory
+) -> None:
+    """Low-precision bases: the LoRA delta is computed in the activation dtype; prompt logprobs
+    stay close to the fp32 merged reference (and the adapter is applied: base differs more)."""
+    adapter = qwen2_adapters["a1"]
+    prompts = random_prompts([30], seed=8)
+    llm = LLM(
+        str(tiny_qwen2),
+        max_model_len=128,
+        enable_lora=True,
+        max_lora_rank=8,
+        **{"dtype": "float32", **kwargs},
+    )
+    out = generate(llm, prompts, [LoRARequest("a1", 1, str(adapter))])[0]
+    got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompts[0][1:])]
+    want = reference(tiny_qwen2, adapter, prompts, tmp_path_factory)[0][2]
+    base = reference(tiny_qwen2, None, prompts, tmp_path_factory)[0][2]
+    err = max(abs(a - b) for a, b in zip(got, want))
+    assert err < 0.05 and err < max(abs(a - b) for a, b in zip(got, base))
