@@ -94,18 +94,25 @@ class LoRALayer:
             self.b_stacked[slot, spec.out_offset : spec.out_offset + spec.out_size, cols] = b
 
     def add_delta(
-        self, x: torch.Tensor, out: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+        self, x: torch.Tensor, out: torch.Tensor, groups: list[tuple[int, torch.Tensor | None]]
     ) -> torch.Tensor:
-        """out[idx] += (x[idx] A[slot]^T) B[slot]^T for each (slot, token indices) group."""
+        """out[idx] += (x[idx] A[slot]^T) B[slot]^T for each (slot, row indices) group (None:
+        every row)."""
         a, b = self.a_stacked, self.b_stacked
         assert a is not None and b is not None
         x = x.to(a.dtype)
-        shrunk = [x.index_select(0, idx) @ a[slot].t() for slot, idx in groups]
+        shrunk = [
+            (x if idx is None else x.index_select(0, idx)) @ a[slot].t() for slot, idx in groups
+        ]
         if self.reduce_shrink:  # partial sums over this rank's input columns
             flat = tensor_model_parallel_all_reduce(torch.cat(shrunk))
             shrunk = list(flat.split([s.shape[0] for s in shrunk]))
         for (slot, idx), s in zip(groups, shrunk):
-            out.index_add_(0, idx, (s @ b[slot].t()).to(out.dtype))
+            delta = (s @ b[slot].t()).to(out.dtype)
+            if idx is None:
+                out.add_(delta)
+            else:
+                out.index_add_(0, idx, delta)
         return out
 
 
@@ -159,14 +166,16 @@ class LoRAStepMapping:
         self.token_slots = token_slots
         self.num_tokens = int(token_slots.shape[0])
         self.groups = self.groups_for(0, self.num_tokens)
+        assert self.num_tokens > 0
 
-    def groups_for(self, start: int, num: int) -> list[tuple[int, torch.Tensor]]:
+    def groups_for(self, start: int, num: int) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, row indices) per slot used in rows [start, start + num); indices None when
+        the slot has every row."""
         slots = self.token_slots[start : start + num]
-        return [
-            (int(slot), (slots == slot).nonzero().flatten())
-            for slot in torch.unique(slots).tolist()
-            if slot >= 0
-        ]
+        distinct = torch.unique(slots).tolist()
+        if len(distinct) == 1:
+            return [(int(distinct[0]), None)] if distinct[0] >= 0 else []
+        return [(int(slot), (slots == slot).nonzero().flatten()) for slot in distinct if slot >= 0]
 
 
 @contextmanager

@@ -120,7 +120,8 @@ class WorkerLoRAManager:
         self, token_lora_ids: np.ndarray, requests: dict[int, LoRARequest]
     ) -> LoRAStepMapping | None:
         """Put the step's adapters in slots; the per-token slot mapping (None: no adapter)."""
-        ids = [int(i) for i in np.unique(token_lora_ids) if i > 0]
+        distinct = np.unique(token_lora_ids)  # sorted
+        ids = [int(i) for i in distinct if i > 0]
         if not ids:
             return None
         if len(ids) > self.config.max_loras:
@@ -129,12 +130,15 @@ class WorkerLoRAManager:
                 f"{self.config.max_loras}; this is a scheduler bug in pagedlm."
             )
         needed = set(ids)
-        lookup = np.full(int(token_lora_ids.max()) + 1, -1, dtype=np.int64)
-        for lora_id in ids:
+        slot_of = np.full(len(distinct), -1, dtype=np.int64)  # by position in `distinct`
+        for i, lora_id in enumerate(distinct.tolist()):
+            if lora_id <= 0:
+                continue
             if lora_id not in self.cache:
                 self.add_adapter(requests[lora_id], frozenset(needed))
             else:
                 self.cache.move_to_end(lora_id)
-            lookup[lora_id] = self._slot_for(lora_id, needed)
-        token_slots = torch.from_numpy(lookup[token_lora_ids]).to(self.device)
+            slot_of[i] = self._slot_for(lora_id, needed)
+        token_slots = slot_of[np.searchsorted(distinct, token_lora_ids)]
+        token_slots = torch.from_numpy(token_slots).to(self.device)
         return LoRAStepMapping(token_slots)

@@ -77,9 +77,12 @@ def test_lora_request_list_length_and_id_reuse(llm, qwen2_adapters) -> None:
     a1, a2 = str(qwen2_adapters["a1"]), str(qwen2_adapters["a2"])
     with pytest.raises(ValueError, match="lengths of prompts \\(2\\) and lora_request \\(1\\)"):
         llm.generate(PROMPTS, PARAMS, lora_request=[LoRARequest("a1", 1, a1)], use_tqdm=False)
-    llm.generate(PROMPTS, PARAMS, lora_request=LoRARequest("a1", 1, a1), use_tqdm=False)
+    first = llm.generate(PROMPTS, PARAMS, lora_request=LoRARequest("a1", 1, a1), use_tqdm=False)
     with pytest.raises(ValueError, match="already names adapter 'a1'"):
         llm.generate(PROMPTS, PARAMS, lora_request=LoRARequest("a2", 1, a2), use_tqdm=False)
+    big = LoRARequest("a1-again", 2**40, a1)  # any positive id
+    again = llm.generate(PROMPTS, PARAMS, lora_request=big, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
 
 
 def test_add_remove_list_pin(tiny_qwen2, qwen2_adapters) -> None:
