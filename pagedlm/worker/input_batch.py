@@ -4,7 +4,8 @@ Invariants: rows [0, num_reqs) hold exactly the requests in the batch (a removed
 by the last one, so rows stay dense); `token_ids[row, :num_tokens[row]]` are the request's
 prompt + output tokens as the scheduler last sent them; `block_table[row, :num_blocks[row]]`
 its KV blocks. Sampling parameters are written into their arrays once, when a request joins,
-so building a step's sampling metadata slices arrays instead of looping over requests.
+so building a step's sampling metadata slices arrays instead of looping over requests;
+`lora_id[row]` is the row's LoRA adapter id (0: none), spread to the step's tokens.
 A request preempted by the scheduler leaves the batch but keeps its `CachedRequestState`
 (tokens, seeded generator) until it finishes.
 """
