@@ -172,3 +172,12 @@ def test_async_llm_lora_matches_llm(llm, tiny_qwen2, qwen2_adapters) -> None:
         list(o.outputs[0].token_ids) for o in want
     ]
     assert [o.lora_request for o in outs] == [a1, a2, None]
+
+
+def test_parallel_sampling_children_use_the_adapter(llm, qwen2_adapters) -> None:
+    a3 = LoRARequest("a3", 3, str(qwen2_adapters["a3"]))
+    one = llm.generate(PROMPTS[:1], PARAMS, lora_request=a3, use_tqdm=False)[0]
+    params = SamplingParams(temperature=1.0, top_k=1, max_tokens=4, ignore_eos=True, n=2)
+    two = llm.generate(PROMPTS[:1], params, lora_request=a3, use_tqdm=False)[0]
+    assert [c.token_ids for c in two.outputs] == [one.outputs[0].token_ids] * 2
+    assert two.lora_request == a3
