@@ -162,6 +162,29 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
 
 
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's ``LoRAConfig``): `max_loras` adapters per step (worker
+    slots), `max_cpu_loras` loaded adapters kept in host memory (LRU), ranks up to
+    `max_lora_rank`."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
+            )
+
+
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
 
 
@@ -363,3 +386,4 @@ class VllmConfig:
         default_factory=StructuredOutputsConfig
     )
     device: str = field(default_factory=lambda: envs.PAGEDLM_DEVICE)
+    lora_config: LoRAConfig | None = None  # None: LoRA disabled

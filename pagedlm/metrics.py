@@ -150,13 +150,25 @@ def _make_metrics() -> dict[str, Any]:
     return _metrics
 
 
+def _lora_info_gauge() -> Any:
+    """Created on first use (LoRA engines only), like vLLM's."""
+    if _LORA_INFO not in _metrics:
+        _metrics[_LORA_INFO] = prometheus_client.Gauge(
+            _LORA_INFO,
+            "Running stats on lora requests.",
+            _LABELS + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+    return _metrics[_LORA_INFO]
+
+
+_LORA_INFO = "vllm:lora_requests_info"
 _SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
     "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
     "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
 }
 _SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-_LABELED = ("vllm:request_success", _SPEC_PER_POS, "vllm:engine_sleep_state")
+_LABELED = ("vllm:request_success", _SPEC_PER_POS, "vllm:engine_sleep_state", _LORA_INFO)
 
 
 @dataclass
@@ -208,12 +220,23 @@ class PrometheusStatLogger:
         self._success = metrics["vllm:request_success"]
         self._per_pos = metrics[_SPEC_PER_POS]
         self._sleep_state = metrics["vllm:engine_sleep_state"]
+        self._lora_labels: tuple[str, ...] | None = None
 
     def record_sleep_state(self, awake: bool, weights_offloaded: bool, discard_all: bool) -> None:
         states = {"awake": awake, "weights_offloaded": weights_offloaded}
         states["discard_all"] = discard_all
         for state, value in states.items():
             self._sleep_state.labels(**self._labels, sleep_state=state).set(int(value))
+
+    def record_lora_info(self, running: list[str], waiting: list[str], max_lora: int) -> None:
+        """vllm:lora_requests_info: the adapters of running and waiting requests (labels,
+        comma-separated), set to the current time; the engine's previous label set goes."""
+        gauge = _lora_info_gauge()
+        labels = (*self._labels.values(), str(max_lora), ",".join(waiting), ",".join(running))
+        if self._lora_labels is not None and self._lora_labels != labels:
+            gauge.remove(*self._lora_labels)
+        self._lora_labels = labels
+        gauge.labels(*labels).set_to_current_time()
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         m = self.m

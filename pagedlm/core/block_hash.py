@@ -34,9 +34,10 @@ def hash_block_tokens(parent: bytes | None, token_ids: list[int], extra_keys: ob
 
 
 def hash_request_blocks(
-    token_ids: list[int], block_size: int, existing: list[bytes], cache_salt: str | None
+    token_ids: list[int], block_size: int, existing: list[bytes], cache_salt: object
 ) -> list[bytes]:
-    """Hashes of the full blocks of `token_ids` after the `len(existing)` already hashed."""
+    """Hashes of the full blocks of `token_ids` after the `len(existing)` already hashed;
+    `cache_salt` (a str, or a tuple with the request's LoRA adapter) goes into the first."""
     new: list[bytes] = []
     parent = existing[-1] if existing else None
     start = len(existing) * block_size

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from pagedlm.core.block_hash import hash_request_blocks
 
 if TYPE_CHECKING:
+    from pagedlm.lora.request import LoRARequest
     from pagedlm.sampling_params import SamplingParams
     from pagedlm.structured_output import StructuredOutputRequest
 
@@ -61,6 +62,7 @@ class Request:
         cache_salt: str | None = None,
         pooling_params: object | None = None,
         token_type_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -82,6 +84,12 @@ class Request:
         self.num_preemptions = 0
         self.block_size = block_size
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        # Mixed into the first block's hash (chained: into every block's): KV computed under
+        # one LoRA adapter is reused only by requests of the same adapter.
+        self._hash_salt: object = cache_salt
+        if lora_request is not None:
+            self._hash_salt = (cache_salt, lora_request.lora_int_id, lora_request.lora_name)
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
         # What the workers know of this request (the scheduler sends them diffs).
@@ -132,7 +140,7 @@ class Request:
         """Hash the full blocks not hashed yet (chained on the previous block's hash)."""
         self.block_hashes.extend(
             hash_request_blocks(
-                self._all_token_ids, self.block_size, self.block_hashes, self.cache_salt
+                self._all_token_ids, self.block_size, self.block_hashes, self._hash_salt
             )
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedlm.lora.request import LoRARequest
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: positions [0, n) are already in the cache
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None  # a small dataclass; the worker loads it
 
 
 @dataclass

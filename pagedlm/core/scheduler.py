@@ -106,8 +106,10 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager,
+        max_loras: int | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras  # None: LoRA disabled
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = scheduler_config.max_model_len
@@ -226,6 +228,7 @@ class Scheduler:
                     block_ids=block_ids,
                     num_computed_tokens=computed,
                     token_type_ids=request.token_type_ids,
+                    lora_request=request.lora_request,
                 )
             )
             request.sent_to_workers = True
@@ -246,8 +249,23 @@ class Scheduler:
     def _admit_waiting(
         self, out: SchedulerOutput, scheduled: list[Request], budget: int, threshold: int
     ) -> int:
+        # LoRA: the running requests' adapters plus admitted ones stay within max_loras;
+        # a request of another adapter waits (skipped, keeping its place in the queue).
+        loras: set[int] = set()
+        if self.max_loras is not None:
+            loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        skipped: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            lora = request.lora_request
+            if (
+                lora is not None
+                and self.max_loras is not None
+                and lora.lora_int_id not in loras
+                and len(loras) >= self.max_loras
+            ):
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if threshold > 0:
@@ -276,6 +294,10 @@ class Scheduler:
             scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+            if lora is not None:
+                loras.add(lora.lora_int_id)
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
         return budget
 
     def _lookahead(self, end: int) -> int:
@@ -397,6 +419,8 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        assert self.max_loras is None or len(loras) <= self.max_loras
         for request in self.running:
             assert request.num_computed_tokens <= request.num_tokens
             held = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, []))

@@ -20,6 +20,7 @@ from pagedlm import envs
 from pagedlm.attention.kv_cache_dtype import check_kv_cache_dtype
 from pagedlm.config import (
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     ProfilerConfig,
@@ -75,6 +76,10 @@ _HELP: dict[str, str] = {
     "async_scheduling": "Refused when true: the CPU engine schedules synchronously.",
     "compilation_config": "Refused unless empty: pagedlm runs the model eagerly.",
     "model_impl": "auto or vllm: pagedlm's own model implementations (not transformers).",
+    "enable_lora": "Serve PEFT LoRA adapters (LoRARequest per request).",
+    "max_loras": "Most distinct LoRA adapters in one step (worker slots).",
+    "max_lora_rank": "Largest LoRA rank accepted (slot size).",
+    "max_cpu_loras": "LoRA adapters kept loaded in host memory (LRU); default max_loras.",
     "enable_sleep_mode": "Allow LLM.sleep(level=1|2): free the KV cache (and weights).",
     "weight_transfer_config": 'JSON dict or WeightTransferConfig: {"backend": "ipc"|"gloo"} '
     "for RL weight updates (init_weight_transfer_engine / update_weights).",
@@ -98,7 +103,6 @@ _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
 # Options vLLM has that we accept only at their default value; anything else is rejected clearly.
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "pipeline_parallel_size": 1,
-    "enable_lora": False,
     "cpu_offload_gb": 0,
     "enable_prompt_embeds": False,
 }
@@ -159,6 +163,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     speculative_config: dict[str, Any] | None = None
     cpu_offload_gb: float = 0
     enable_prompt_embeds: bool = False
@@ -352,7 +357,18 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig.from_any(
                 self.structured_outputs_config
             ),
+            lora_config=self._lora_config(pooling),
         )
+
+    def _lora_config(self, pooling: bool) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if pooling:
+            raise NotImplementedError(
+                "enable_lora=True with a pooling model is not supported by pagedlm yet "
+                "(LoRA adapters run on generative models)."
+            )
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _weight_transfer_config(self) -> WeightTransferConfig | None:
         value = self.weight_transfer_config

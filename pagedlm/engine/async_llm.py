@@ -127,6 +127,23 @@ class AsyncLLM:
         async with self._lock():
             return self.engine.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ LoRA
+    async def add_lora(self, lora_request: Any) -> bool:
+        async with self._lock():
+            return self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        async with self._lock():
+            return self.engine.remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        async with self._lock():
+            return self.engine.list_loras()
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        async with self._lock():
+            return self.engine.pin_lora(lora_id)
+
     # -------------------------------------------------------------- requests
     async def generate(
         self,

@@ -31,6 +31,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     pooling_params: Any = None
     token_type_ids: list[int] | None = None
+    lora_request: Any = None  # LoRARequest, checked by the engine
 
 
 class InputProcessor:

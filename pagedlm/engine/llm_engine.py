@@ -22,6 +22,7 @@ from pagedlm.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedlm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedlm.engine.tokenizer import load_tokenizer
 from pagedlm.executor import Executor
+from pagedlm.lora.engine import EngineLoRAMixin
 from pagedlm.metrics import (
     IterationStats,
     Metric,
@@ -37,7 +38,7 @@ from pagedlm.structured_output import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineControlMixin):
+class LLMEngine(EngineControlMixin, EngineLoRAMixin):
     def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
@@ -52,8 +53,12 @@ class LLMEngine(EngineControlMixin):
         kv_cache_manager = KVCacheManager(
             num_blocks, block_size, self.cache_config.enable_prefix_caching
         )
+        lora = vllm_config.lora_config
         self.scheduler = Scheduler(
-            vllm_config.scheduler_config, self.cache_config, kv_cache_manager
+            vllm_config.scheduler_config,
+            self.cache_config,
+            kv_cache_manager,
+            max_loras=lora.max_loras if lora is not None else None,
         )
         self.input_processor = InputProcessor(
             self.model_config, self.tokenizer, vllm_config.speculative_config is not None
@@ -71,6 +76,7 @@ class LLMEngine(EngineControlMixin):
         self.extra_stat_loggers: list[Any] = []
         self._num_preemptions_logged = 0
         self._init_control()
+        self._init_lora()
 
     @classmethod
     def from_engine_args(
@@ -142,8 +148,7 @@ class LLMEngine(EngineControlMixin):
         """Validate and queue one request; returns its internal id (external + random suffix)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id)}")
-        if lora_request is not None:
-            raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
+        lora_request = self.check_lora_request(lora_request)
         if request_id in self.output_processor.external_to_internal:
             raise ValueError(f"Request id {request_id} is already in use by a running request.")
         internal_id = f"{request_id}-{secrets.token_hex(4)}"
@@ -163,6 +168,7 @@ class LLMEngine(EngineControlMixin):
         request = self.input_processor.process_inputs(
             internal_id, prompt, params, arrival_time, priority, tokenization_kwargs
         )
+        request.lora_request = lora_request
         if prompt_text is not None:
             request.prompt = prompt_text
         params = request.sampling_params
@@ -185,6 +191,7 @@ class LLMEngine(EngineControlMixin):
                 arrival_time=request.arrival_time,
                 priority=priority,
                 cache_salt=request.cache_salt,
+                lora_request=lora_request,
             )
             self._add_core_request(child, request_id, parent, index)
         return internal_id
@@ -210,6 +217,7 @@ class LLMEngine(EngineControlMixin):
             cache_salt=request.cache_salt,
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
+            lora_request=request.lora_request,
         )
         if params is not None and params.structured_outputs is not None:
             so_manager = self.structured_output_manager
@@ -273,6 +281,9 @@ class LLMEngine(EngineControlMixin):
             self.stat_logger.record(sched_stats, iteration_stats)
             for extra in self.extra_stat_loggers:
                 extra.record(sched_stats, iteration_stats)
+            if self.lora_config is not None:
+                running, waiting = self.lora_stats()
+                self.stat_logger.record_lora_info(running, waiting, self.lora_config.max_loras)
         return request_outputs
 
     def _scheduler_stats(self) -> SchedulerStats:

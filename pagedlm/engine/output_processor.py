@@ -75,6 +75,7 @@ class RequestState:
         self.child_index = child_index
         self.prompt = request.prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.lora_request = request.lora_request
         self.params: SamplingParams = params
         self.output_kind = params.output_kind
         self.tokenizer = tokenizer if params.detokenize else None
@@ -308,5 +309,6 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             metrics=state.stats,
+            lora_request=state.lora_request,
             num_cached_tokens=state.num_cached_tokens,
         )

@@ -132,11 +132,9 @@ class BeamSearchMixin:
             return False
         bounds = list(itertools.accumulate((len(inst.beams) for inst in batch), initial=0))
         prompts: list[TokensPrompt] = [beam.get_prompt() for beam in all_beams]
-        lora = all_beams[0].lora_request
-        if any(b.lora_request is not lora for b in all_beams):
-            raise NotImplementedError("beam_search with different LoRA requests per prompt")
+        loras = [b.lora_request for b in all_beams]  # one per beam (its prompt's adapter)
         self._add_requests(  # type: ignore[attr-defined]
-            prompts, [sampling_params] * len(prompts), False, lora, None, None
+            prompts, [sampling_params] * len(prompts), False, loras, None, None
         )
         output: list[RequestOutput] = self._run_engine(use_tqdm=False)  # type: ignore[attr-defined]
         eos_token_id = self.get_tokenizer().eos_token_id  # type: ignore[attr-defined]

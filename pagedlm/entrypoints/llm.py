@@ -282,6 +282,19 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
             raise ValueError(
                 f"The lengths of prompts ({n}) and priority ({len(priority)}) must be the same."
             )
+        if isinstance(lora_request, Sequence):
+            if len(lora_request) != n:
+                raise ValueError(
+                    f"The lengths of prompts ({n}) and lora_request ({len(lora_request)}) "
+                    "must be the same."
+                )
+            lora_list = list(lora_request)
+        else:
+            lora_list = [lora_request] * n
+        # Every adapter is loaded and validated before any request is queued: a bad adapter
+        # raises (naming itself) with nothing of this call left in the engine.
+        for lora in {id(x): x for x in lora_list if x is not None}.values():
+            self.llm_engine.check_lora_request(lora)
         for p in param_list:
             p.output_kind = RequestOutputKind.FINAL_ONLY
         added: list[str] = []
@@ -297,7 +310,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
                         request_id,
                         prompt,
                         p,
-                        lora_request=lora_request,
+                        lora_request=lora_list[i],
                         tokenization_kwargs=tokenization_kwargs,
                         priority=priority[i] if priority else 0,
                     )

@@ -1,8 +1,8 @@
-"""LoRARequest: vLLM's description of a LoRA adapter (name, int id, path).
-
-pagedlm does not run LoRA adapters yet: `EngineArgs(enable_lora=True)` raises
-NotImplementedError and a request that carries a LoRARequest is rejected by the engine. The
-class exists so that code which builds one (lm-eval, Ray Data LLM) imports and reports that.
+"""LoRARequest: vLLM's description of a LoRA adapter (name, int id, path of a PEFT adapter
+directory). With `LLM(..., enable_lora=True)` a request carrying one runs with that adapter;
+it is plain data (sent to the workers inside `NewRequestData`, which load the adapter).
+`lora_int_id` identifies the adapter (one id, one adapter); `load_inplace=True` makes
+`add_lora` read the files again.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Invariants: rows [0, num_reqs) hold exactly the requests in the batch (a removed
 by the last one, so rows stay dense); `token_ids[row, :num_tokens[row]]` are the request's
 prompt + output tokens as the scheduler last sent them; `block_table[row, :num_blocks[row]]`
 its KV blocks. Sampling parameters are written into their arrays once, when a request joins,
-so building a step's sampling metadata slices arrays instead of looping over requests.
+so building a step's sampling metadata slices arrays instead of looping over requests;
+`lora_id[row]` is the row's LoRA adapter id (0: none), spread to the step's tokens.
 A request preempted by the scheduler leaves the batch but keeps its `CachedRequestState`
 (tokens, seeded generator) until it finishes.
 """
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.lora.request import LoRARequest
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
@@ -34,6 +36,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 
@@ -82,6 +85,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Rows whose request needs a per-request look when sampled (seed, sparse processors).
         self.needs_visit = np.zeros(max_num_reqs, dtype=bool)
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)  # LoRA adapter id, 0 = none
         self._row_arrays = [
             self.num_tokens,
             self.num_prompt_tokens,
@@ -97,6 +101,7 @@ class InputBatch:
             self.num_logprobs,
             self.min_tokens,
             self.needs_visit,
+            self.lora_id,
         ]
 
     @property
@@ -120,6 +125,7 @@ class InputBatch:
         self.block_table[row, : len(state.block_ids)] = state.block_ids
         self.num_blocks[row] = len(state.block_ids)
         self._write_sampling_params(row, state.sampling_params)
+        self.lora_id[row] = state.lora_request.lora_int_id if state.lora_request else 0
         return row
 
     def _write_sampling_params(self, row: int, p: SamplingParams | None) -> None:
@@ -184,6 +190,7 @@ class InputBatch:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 token_type_ids=new.token_type_ids,
+                lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
             self.add_request(state)

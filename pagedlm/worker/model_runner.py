@@ -23,6 +23,9 @@ from pagedlm.distributed import get_tp_group
 from pagedlm.forward_context import set_forward_context
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.sampler import Sampler, gather_logprobs
+from pagedlm.lora.layers import activate as activate_lora
+from pagedlm.lora.manager import WorkerLoRAManager
+from pagedlm.lora.worker_mixin import lora_step_mapping
 from pagedlm.model_loader.loader import get_model
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
@@ -59,6 +62,11 @@ class ModelRunner:
             self.proposer = DraftModelProposer(vllm_config, device)
         elif spec is not None:
             self.proposer = NgramProposer(spec)
+        self.lora_manager: WorkerLoRAManager | None = None
+        if vllm_config.lora_config is not None:
+            self.lora_manager = WorkerLoRAManager(
+                self.model, vllm_config.lora_config, self.model_config.dtype, device
+            )
 
     def _new_input_batch(self) -> InputBatch:
         max_len = self.model_config.max_model_len
@@ -120,8 +128,16 @@ class ModelRunner:
         if getattr(self.model, "accepts_token_type_ids", False):
             if inputs.token_type_ids is not None:
                 kwargs["token_type_ids"] = torch.from_numpy(inputs.token_type_ids).to(device)
+        lora_mapping = None
+        if self.lora_manager is not None:
+            lora_mapping = lora_step_mapping(self.lora_manager, self.input_batch, inputs)
         with set_forward_context(attn_metadata):
-            hidden_states = self.model(input_ids, positions, **kwargs)
+            if lora_mapping is None:
+                hidden_states = self.model(input_ids, positions, **kwargs)
+            else:
+                assert self.lora_manager is not None
+                with activate_lora(self.lora_manager.layers, lora_mapping):
+                    hidden_states = self.model(input_ids, positions, **kwargs)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.prefill(input_ids, positions, attn_metadata)
 

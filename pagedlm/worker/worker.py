@@ -13,6 +13,7 @@ import torch
 from pagedlm.config import VllmConfig
 from pagedlm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.distributed import init_distributed_environment
+from pagedlm.lora.worker_mixin import WorkerLoRAMixin
 from pagedlm.platforms import current_platform
 from pagedlm.worker.control import WorkerControlMixin
 from pagedlm.worker.model_runner import ModelRunner
@@ -20,7 +21,7 @@ from pagedlm.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-class Worker(WorkerControlMixin):
+class Worker(WorkerControlMixin, WorkerLoRAMixin):
     def __init__(
         self,
         vllm_config: VllmConfig,

@@ -40,7 +40,7 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
         from vllm.exceptions import VLLMValidationError
         from vllm.logprobs import Logprob
-        import pagedlm.engine.async_llm as a, pagedlm.outputs as o
+        import pagedlm.engine.async_llm as a, pagedlm.outputs as o, pagedlm.lora.request as lr
 
         same = [
             LLM is pagedlm.LLM, SamplingParams is pagedlm.SamplingParams,
@@ -48,13 +48,13 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             RequestOutput is o.RequestOutput, TP2 is TokensPrompt, gt2 is get_tokenizer,
             vllm.outputs.PoolingRequestOutput is o.PoolingRequestOutput,
             vllm.sampling_params.SamplingParams is SamplingParams,
+            LoRARequest is lr.LoRARequest,
         ]
         llm = LLM({str(tiny_qwen2)!r}, dtype="float32", max_model_len=64)
         outs = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         tok = get_tokenizer({str(tiny_qwen2)!r})
         errors = {{}}
         for name, call in [
-            ("lora", lambda: LLM({str(tiny_qwen2)!r}, enable_lora=True)),
             ("pp", lambda: LLM({str(tiny_qwen2)!r}, pipeline_parallel_size=2)),
             ("lora_request", lambda: llm.generate("x", SamplingParams(max_tokens=1),
                 lora_request=LoRARequest("a", 1, "/nowhere"), use_tqdm=False)),
@@ -86,7 +86,6 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
     assert got["isinstance"] and got["chat"] and got["port"]
     assert got["pagedlm_file"].startswith(str(REPO))
     errs = got["errors"]
-    assert errs["lora"].startswith("NotImplementedError: enable_lora=True is not supported")
     assert errs["pp"].startswith("NotImplementedError: pipeline_parallel_size=2")
     assert got["choice"] in ("yes", "no")  # structured outputs through the alias's params
     assert errs["lora_request"].startswith("ValueError: Got lora_request")

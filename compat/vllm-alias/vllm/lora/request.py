@@ -1,3 +1,3 @@
-"""vllm.lora.request -> pagedlm.lora.request (pagedlm runs no LoRA yet)."""
+"""vllm.lora.request -> pagedlm.lora.request (the same LoRARequest class)."""
 
 from pagedlm.lora.request import LoRARequest  # noqa: F401
