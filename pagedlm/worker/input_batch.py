@@ -37,6 +37,9 @@ class CachedRequestState:
     num_computed_tokens: int
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None
+    # prompt positions whose prompt logprobs were sent: a preempted request recomputes its
+    # prompt, and those are not sent twice
+    num_prompt_logprobs_sent: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 

@@ -296,10 +296,13 @@ class ModelRunner:
             if params is None or params.prompt_logprobs is None:
                 continue
             row_start, num_rows, position = inputs.query_starts[state.req_id]
-            # a row at position p predicts prompt token p + 1
+            # a row at position p predicts prompt token p + 1; rows already sent are skipped
             num_rows = min(num_rows, state.num_prompt_tokens - 1 - position)
+            skip = min(max(state.num_prompt_logprobs_sent - position, 0), max(num_rows, 0))
+            row_start, num_rows, position = row_start + skip, num_rows - skip, position + skip
             if num_rows <= 0:
                 continue
+            state.num_prompt_logprobs_sent = position + num_rows
             k = params.prompt_logprobs
             targets = torch.tensor(
                 state.prompt_token_ids[position + 1 : position + 1 + num_rows],

@@ -116,3 +116,24 @@ def test_requests_in_one_step_share_a_prefix(tiny_qwen2) -> None:
     assert [o.num_cached_tokens for o in cached] == [0, 32, 32, 32]
     uncached = generate(enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
+
+
+def test_preempted_request_sends_its_prompt_logprobs_once(tiny_qwen2) -> None:
+    """Recomputing a preempted prompt does not emit its prompt logprobs again."""
+    prompts = _prompts()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1
+    )
+    runs = []
+    for kwargs in ({}, {"num_gpu_blocks_override": 8, "block_size": 16}):
+        llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append(outs)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for plain, preempted, prompt in zip(*runs, prompts):
+        assert len(preempted.prompt_logprobs) == len(prompt) == len(plain.prompt_logprobs)
+        for a, b in zip(plain.prompt_logprobs[1:], preempted.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert [x.logprob for x in a.values()] == pytest.approx(
+                [x.logprob for x in b.values()], abs=1e-5
+            )
