@@ -59,30 +59,3 @@ def merged_model(base_dir: Path, adapter_dir: Path | None, out_dir: Path) -> Pat
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, 500) for _ in range(n)] for n in lengths]
-
-
-def hf_reference(
-    model_dir: Path, prompts: list[list[int]], max_tokens: int
-) -> list[tuple[list[int], list[float], list[float]]]:
-    """Per prompt: greedy tokens, their logprobs, and the prompt logprobs (tokens 1..P-1),
-    from transformers in fp32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            seq = model.generate(
-                ids,
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                attention_mask=torch.ones_like(ids),
-            )[0]
-            logprobs = model(seq[None]).logits[0, :-1].float().log_softmax(-1)
-            picked = logprobs.gather(-1, seq[1:, None])[:, 0].tolist()
-            n = len(prompt)
-            out.append((seq[n:].tolist(), picked[n - 1 :], picked[: n - 1]))
-    return out

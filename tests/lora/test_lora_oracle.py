@@ -10,7 +10,8 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.lora.request import LoRARequest
-from tests.lora.peft_utils import hf_reference, make_adapter, merged_model, random_prompts
+from tests.lora.peft_utils import make_adapter, merged_model, random_prompts
+from tests.models.test_models_vs_hf import hf_reference
 
 MAX_TOKENS = 6
 PARAMS = SamplingParams(

@@ -19,29 +19,37 @@ def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(5, 500) for _ in range(length)] for length in lengths]
 
 
-def hf_greedy(
+def hf_reference(
     model_dir, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
-) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens from HF generate, and the log-softmax of each of them from a full forward."""
+) -> list[tuple[list[int], list[float], list[float]]]:
+    """Per prompt, from transformers in fp32: the greedy tokens of HF generate, their logprobs
+    and the prompt logprobs (tokens 1..P-1), from a full forward over prompt + output."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens, logprobs = [], []
+    out = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = model.generate(
+            seq = model.generate(
                 ids,
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
                 attention_mask=torch.ones_like(ids),
-            )
-            generated = out[0, len(prompt) :].tolist()
-            logits = model(out).logits[0, len(prompt) - 1 : -1].float()
-            lp = logits.log_softmax(-1).gather(-1, torch.tensor(generated)[:, None])[:, 0]
-            tokens.append(generated)
-            logprobs.append(lp.tolist())
-    return tokens, logprobs
+            )[0]
+            logprobs = model(seq[None]).logits[0, :-1].float().log_softmax(-1)
+            picked = logprobs.gather(-1, seq[1:, None])[:, 0].tolist()
+            n = len(prompt)
+            out.append((seq[n:].tolist(), picked[n - 1 :], picked[: n - 1]))
+    return out
+
+
+def hf_greedy(
+    model_dir, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and their logprobs per prompt (`hf_reference` without prompt logprobs)."""
+    ref = hf_reference(model_dir, prompts, max_tokens)
+    return [tokens for tokens, _, _ in ref], [logprobs for _, logprobs, _ in ref]
 
 
 def _check_against_hf(model_dir, reference_dir=None, **llm_kwargs) -> None:
