@@ -60,6 +60,29 @@ def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
     )
 
 
+def _matmul_args(fn: str, x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None):
+    """(y, the checked arguments both kernels take first: x, qs, qh, scales, mins, bias, y, M,
+    N, K, bits, group, offset, bf16)."""
+    n, k = w.shape
+    x = x.contiguous()
+    m = x.shape[0]
+    y = x.new_empty(m, n)
+    args = (
+        checked(fn, "x", x, _FLOATS, (m, k)),
+        *_weight_args(fn, w),
+        None if bias is None else checked(fn, "bias", bias.contiguous(), x.dtype, (n,)),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        w.bits,
+        w.group,
+        w.offset,
+        int(x.dtype == torch.bfloat16),
+    )
+    return y, args
+
+
 # x, qs, qh, scales, mins, bias, y, M, N, K, bits, group, offset, bf16, isa, num_threads
 # -> 1 if computed (0: bad layout, ISA not compiled in, or out of memory)
 declare("gguf_gemv", [_ptr] * 7 + [_i64] * 3 + [_int] * 6, _int)
@@ -74,21 +97,10 @@ def gguf_gemv(
     if lib is None:
         return None
     isa = isa or gguf_isa()
-    fn = "gguf_gemv"
-    n, k = w.shape
-    x = x.contiguous()
-    m = x.shape[0]
-    args = (
-        checked(fn, "x", x, _FLOATS, (m, k)),
-        *_weight_args(fn, w),
-        None if bias is None else checked(fn, "bias", bias.contiguous(), x.dtype, (n,)),
-    )
-    y = x.new_empty(m, n)
     code = {"avx512_vnni": 1, "portable": 0}[isa]
-    bf16 = int(x.dtype == torch.bfloat16)
-    lay = (w.bits, w.group, w.offset)
-    if not lib.gguf_gemv(*args, y.data_ptr(), m, n, k, *lay, bf16, code, torch.get_num_threads()):
-        raise MemoryError(f"{fn}: out of memory or {isa} not compiled in")
+    y, args = _matmul_args("gguf_gemv", x, w, bias)
+    if not lib.gguf_gemv(*args, code, torch.get_num_threads()):
+        raise MemoryError(f"gguf_gemv: out of memory or {isa} not compiled in")
     return y
 
 
@@ -106,20 +118,9 @@ def gguf_gemm(
     lib = cpu_kernels()
     if lib is None or not lib.gguf_gemm_compiled():
         return None
-    fn = "gguf_gemm"
-    n, k = w.shape
-    x = x.contiguous()
-    m = x.shape[0]
-    args = (
-        checked(fn, "x", x, _FLOATS, (m, k)),
-        *_weight_args(fn, w),
-        None if bias is None else checked(fn, "bias", bias.contiguous(), x.dtype, (n,)),
-    )
-    y = x.new_empty(m, n)
-    bf16 = int(x.dtype == torch.bfloat16)
-    lay = (w.bits, w.group, w.offset)
-    if not lib.gguf_gemm(*args, y.data_ptr(), m, n, k, *lay, bf16, torch.get_num_threads()):
-        raise MemoryError(f"{fn}: out of memory")
+    y, args = _matmul_args("gguf_gemm", x, w, bias)
+    if not lib.gguf_gemm(*args, torch.get_num_threads()):
+        raise MemoryError("gguf_gemm: out of memory")
     return y
 
 
