@@ -55,8 +55,10 @@ def prepack_weight(module: nn.Module) -> torch.Tensor | None:
     """
     weight = module.weight.data
     packed = current_platform.prepack_linear_weight(weight)
+    if packed is None and not current_platform.reads_dense_weight(weight):
+        return None  # nothing prepacked: no second copy next to the dense weight either
     small = current_platform.small_batch_weight(weight)
-    if small is None or (packed is None and small is not weight):  # no second copy unpacked
+    if small is None:
         if packed is not None:
             module.weight = nn.Parameter(packed, requires_grad=False)
         return None

@@ -18,6 +18,7 @@ _threads_set = False
 _PREPACK_BATCH_HINT = 64
 # Dense bf16 copies (for the small-batch kernel) are kept while the process stays under this.
 _DENSE_COPY_RAM_FRACTION = 0.4
+_DENSE_WEIGHT_ISAS = ("amx", "avx2")  # small-batch kernels that read the dense weight itself
 
 
 def usable_cores() -> int:
@@ -81,16 +82,14 @@ class CpuPlatform(Platform):
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PREPACK_BATCH_HINT)
         return None
 
-    def small_batch_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The copy of a bf16 weight that the small-batch kernel reads, held next to oneDNN's
-        prepacked one: the dense weight itself for AMX, the blocked layout for AVX-512 BF16
-        (`block_small_batch_weight`); None where no such kernel runs or the shape does not fit.
-        Only while the process stays under `_DENSE_COPY_RAM_FRACTION` of RAM with this copy: a
-        model too big to hold twice keeps the prepacked layout alone, and the KV cache keeps
-        its room."""
+    def _small_batch_isa(self, weight: torch.Tensor) -> str | None:
+        """The small-batch kernel that would read a copy of this bf16 weight, or None: no such
+        kernel runs, or the process would pass `_DENSE_COPY_RAM_FRACTION` of RAM with that
+        copy (a model too big to hold twice keeps the prepacked layout alone, and the KV cache
+        keeps its room)."""
         if weight.dtype != torch.bfloat16:
             return None
-        from pagedlm.kernels.cpu import block_small_batch_weight, small_batch_linear_isa
+        from pagedlm.kernels.cpu import small_batch_linear_isa
 
         isa = small_batch_linear_isa()
         if isa is None:
@@ -98,13 +97,24 @@ class CpuPlatform(Platform):
         held = psutil.Process().memory_info().rss + weight.numel() * weight.element_size()
         if held > psutil.virtual_memory().total * _DENSE_COPY_RAM_FRACTION:
             return None
-        return weight if isa in ("amx", "avx2") else block_small_batch_weight(weight)
+        return isa
+
+    def small_batch_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The copy of a bf16 weight that the small-batch kernel reads, held next to oneDNN's
+        prepacked one: the dense weight itself for AMX and AVX2, the blocked layout for
+        AVX-512 BF16 (`block_small_batch_weight`); None where no such kernel runs, there is no
+        room (`_small_batch_isa`) or the shape does not fit."""
+        from pagedlm.kernels.cpu import block_small_batch_weight
+
+        isa = self._small_batch_isa(weight)
+        if isa is None:
+            return None
+        return weight if isa in _DENSE_WEIGHT_ISAS else block_small_batch_weight(weight)
 
     def reads_dense_weight(self, weight: torch.Tensor) -> bool:
         """Whether the small-batch kernel reads the dense weight itself (AMX, AVX2) next to the
         prepacked one; AVX-512 BF16 reads its own blocked copy (`small_batch_weight`)."""
-        small = self.small_batch_weight(weight)
-        return small is not None and small.dim() == 2
+        return self._small_batch_isa(weight) in _DENSE_WEIGHT_ISAS
 
     def kv_cache_budget_bytes(self, utilization: float) -> int:
         """`utilization` of total RAM minus what this process already holds, as vLLM-CPU does."""
