@@ -69,3 +69,32 @@ class Attention(nn.Module):
             v_scale=self.v_scale,
         )
         return out.view(num_tokens, self.num_heads * self.head_size)
+
+
+def paged_attention_layers(model: nn.Module) -> list[Attention]:
+    """The layers of `model` that keep a paged KV cache (decoder attention), in order."""
+    return [m for m in model.modules() if isinstance(m, Attention) and m.attn_type == "decoder"]
+
+
+def kv_cache_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes over `layers` (K and V of every layer's KV heads)."""
+    return sum(
+        2 * block_size * layer.num_kv_heads * layer.head_size * dtype.itemsize for layer in layers
+    )
+
+
+def allocate_kv_caches(
+    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, kv_heads, head_size] tensor per layer, set as the
+    layer's `kv_cache`. Zeroed (not empty) because padded attention reads unwritten slots
+    under a mask, and 0 * NaN would poison the output; pages are mapped lazily, as blocks
+    are first used."""
+    from pagedlm.platforms import current_platform
+
+    caches = []
+    for layer in layers:
+        shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+        layer.kv_cache = current_platform.zeros_lazy(shape, dtype)
+        caches.append(layer.kv_cache)
+    return caches

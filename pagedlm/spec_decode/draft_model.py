@@ -18,7 +18,7 @@ import torch
 from pagedlm.attention.backend import CommonAttentionMetadata
 from pagedlm.config import VllmConfig
 from pagedlm.forward_context import set_forward_context
-from pagedlm.layers.attention import Attention
+from pagedlm.layers.attention import paged_attention_layers
 from pagedlm.layers.sampler import Sampler
 from pagedlm.model_loader.loader import get_model
 from pagedlm.spec_decode.ngram_proposer import can_speculate
@@ -34,24 +34,8 @@ class DraftModelProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.device = device
         self.model = get_model(spec.draft_model_config, device)
-        self.attn_layers = [
-            m for m in self.model.modules() if isinstance(m, Attention) and m.attn_type == "decoder"
-        ]
+        self.attn_layers = paged_attention_layers(self.model)  # KV in the target's block ids
         self.draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its pending drafts
-
-    # ---------------------------------------------------------------- KV cache
-    def get_kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return sum(
-            2 * block_size * layer.num_kv_heads * layer.head_size * dtype.itemsize
-            for layer in self.attn_layers
-        )
-
-    def initialize_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        from pagedlm.platforms import current_platform
-
-        for layer in self.attn_layers:
-            shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-            layer.kv_cache = current_platform.zeros_lazy(shape, dtype)
 
     # -------------------------------------------------------------------- step
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> None:

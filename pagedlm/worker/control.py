@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pagedlm.layers.attention import allocate_kv_caches
 from pagedlm.model_loader.reload import check_can_discard, discard_weights, weights_missing
 
 logger = logging.getLogger(__name__)
@@ -152,9 +153,8 @@ class WorkerControlMixin:
         """Free the KV cache (level >= 1) and the weights (level 2); returns bytes freed."""
         runner = self.model_runner
         freed = self.kv_cache_nbytes()
-        self._kv_shape = [tuple(c.shape) for c in runner.kv_caches] or getattr(
-            self, "_kv_shape", []
-        )
+        if runner.kv_caches:  # [2, num_blocks, block_size, ...]: what wake_up allocates again
+            self._kv_blocks = tuple(runner.kv_caches[0].shape[1:3])
         for layer in runner.attn_layers:
             layer.kv_cache = None
         runner.kv_caches = []
@@ -165,17 +165,15 @@ class WorkerControlMixin:
         return freed
 
     def wake_up_kv_cache(self) -> None:
-        """Allocate the KV cache again, as it was (zeroed; pages mapped when first used)."""
-        from pagedlm.platforms import current_platform
-
+        """Allocate the KV cache again, as it was: same blocks, same dtype (fp8 stays fp8;
+        zeroed, pages mapped when first used)."""
         runner = self.model_runner
         if runner.kv_caches:
             return
-        runner.kv_caches = []
-        for layer, shape in zip(runner.attn_layers, self._kv_shape):
-            cache = current_platform.zeros_lazy(shape, self.vllm_config.model_config.dtype)
-            layer.kv_cache = cache
-            runner.kv_caches.append(cache)
+        num_blocks, block_size = self._kv_blocks
+        runner.kv_caches = allocate_kv_caches(
+            runner.attn_layers, num_blocks, block_size, runner.kv_cache_dtype()
+        )
 
     # -------------------------------------------------------------- profiler
     def start_profile(self, profile_prefix: str | None = None) -> None:

@@ -21,7 +21,12 @@ from pagedlm.core.kv_cache_manager import cdiv
 from pagedlm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedlm.distributed import get_tp_group
 from pagedlm.forward_context import set_forward_context
-from pagedlm.layers.attention import Attention
+from pagedlm.layers.attention import (
+    Attention,
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+    paged_attention_layers,
+)
 from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.lora.layers import activate as activate_lora
 from pagedlm.lora.manager import WorkerLoRAManager
@@ -47,9 +52,7 @@ class ModelRunner:
         self.device = device
         self.is_driver = get_tp_group().is_first_rank
         self.model = get_model(self.model_config, self.device)
-        self.attn_layers = [
-            m for m in self.model.modules() if isinstance(m, Attention) and m.attn_type == "decoder"
-        ]
+        self.attn_layers = paged_attention_layers(self.model)
         self.attn_backend = get_attn_backend(self.device)
         Attention.backend = self.attn_backend
         self.sampler = Sampler()
@@ -78,39 +81,26 @@ class ModelRunner:
         )
 
     # ---------------------------------------------------------------- KV cache
-    def _kv_cache_dtype(self) -> torch.dtype:
+    def kv_cache_dtype(self) -> torch.dtype:
         kv_cache_dtype = self.vllm_config.cache_config.kv_cache_dtype
         return kv_cache_torch_dtype(kv_cache_dtype, self.model_config.dtype)
 
     def get_kv_cache_bytes_per_block(self, block_size: int) -> int:
-        dtype = self._kv_cache_dtype()
-        draft = 0
+        layers = self.attn_layers
         if isinstance(self.proposer, DraftModelProposer):  # its KV lives in the same blocks
-            draft = self.proposer.get_kv_cache_bytes_per_block(block_size, dtype)
-        return draft + sum(
-            2 * block_size * layer.num_kv_heads * layer.head_size * dtype.itemsize
-            for layer in self.attn_layers
-        )
+            layers = layers + self.proposer.attn_layers
+        return kv_cache_bytes_per_block(layers, block_size, self.kv_cache_dtype())
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """One zeroed [2, num_blocks, block_size, kv_heads, head_size] tensor per layer.
-
-        Zeroed (not empty) because padded attention reads unwritten slots under a mask, and
-        0 * NaN would poison the output; pages are mapped lazily, as blocks are first used.
-        """
-        from pagedlm.platforms import current_platform
-
+        """The layers' paged KV caches (`allocate_kv_caches`), the draft model's too."""
         self.block_size = block_size
         self.input_batch = self._new_input_batch()
-        self.kv_caches = []
+        dtype = self.kv_cache_dtype()
+        self.kv_caches = allocate_kv_caches(self.attn_layers, num_blocks, block_size, dtype)
         for layer in self.attn_layers:
-            shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-            cache = current_platform.zeros_lazy(shape, self._kv_cache_dtype())
-            layer.kv_cache = cache
             layer.calculate_kv_scales = self.vllm_config.cache_config.calculate_kv_scales
-            self.kv_caches.append(cache)
         if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.initialize_kv_cache(num_blocks, block_size, self._kv_cache_dtype())
+            allocate_kv_caches(self.proposer.attn_layers, num_blocks, block_size, dtype)
 
     # -------------------------------------------------------------------- step
     @torch.inference_mode()

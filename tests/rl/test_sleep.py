@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
+import torch
 
 from pagedlm import LLM, SamplingParams
 from tests.rl.test_weight_transfer import ENGINE
@@ -152,3 +153,15 @@ def test_level1_keep_recomputes_kept_requests(tiny_qwen2):
     assert llm.wake_up() is True
     got = [o.outputs[0].token_ids for o in llm.wait_for_completion(use_tqdm=False)]
     assert got == want
+
+
+def test_fp8_kv_cache_wakes_up_as_fp8(tiny_qwen2):
+    """wake_up allocates the KV cache again in its own dtype, not the model's."""
+    llm = LLM(str(tiny_qwen2), kv_cache_dtype="fp8", **SLEEPY)
+    before = run(llm)
+    dtypes = llm.collective_rpc(lambda w: {c.dtype for c in w.model_runner.kv_caches})
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert llm.collective_rpc(lambda w: {c.dtype for c in w.model_runner.kv_caches}) == dtypes
+    assert dtypes == [{torch.float8_e4m3fn}]
+    assert run(llm) == before
