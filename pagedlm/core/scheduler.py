@@ -251,9 +251,7 @@ class Scheduler:
     ) -> int:
         # LoRA: the running requests' adapters plus admitted ones stay within max_loras;
         # a request of another adapter waits (skipped, keeping its place in the queue).
-        loras: set[int] = set()
-        if self.max_loras is not None:
-            loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        loras = self._running_lora_ids() if self.max_loras is not None else set()
         skipped: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
@@ -299,6 +297,9 @@ class Scheduler:
         for request in reversed(skipped):
             self.waiting.prepend(request)
         return budget
+
+    def _running_lora_ids(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request}
 
     def _lookahead(self, end: int) -> int:
         """KV slots past position `end` (this step's last + 1) that a draft model will write,
@@ -419,8 +420,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
-        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-        assert self.max_loras is None or len(loras) <= self.max_loras
+        assert self.max_loras is None or len(self._running_lora_ids()) <= self.max_loras
         for request in self.running:
             assert request.num_computed_tokens <= request.num_tokens
             held = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, []))

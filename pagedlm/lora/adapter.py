@@ -145,16 +145,7 @@ def load_lora_model(
         spec = layer.slices[index]
         a, b = pair["A"], pair["B"]
         r = a.shape[0]
-        if (
-            a.dim() != 2
-            or b.dim() != 2
-            or a.shape[1] != layer.ckpt_cols
-            or b.shape
-            != (
-                spec.ckpt_rows,
-                r,
-            )
-        ):
+        if a.dim() != 2 or a.shape[1] != layer.ckpt_cols or b.shape != (spec.ckpt_rows, r):
             raise _fail(
                 request,
                 f"{layer_name} ({leaf}): lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "

@@ -10,6 +10,7 @@ samples and pools, and its output is the step's output.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
@@ -118,16 +119,13 @@ class ModelRunner:
         if getattr(self.model, "accepts_token_type_ids", False):
             if inputs.token_type_ids is not None:
                 kwargs["token_type_ids"] = torch.from_numpy(inputs.token_type_ids).to(device)
-        lora_mapping = None
+        lora: AbstractContextManager = nullcontext()  # a step without adapters: the base path
         if self.lora_manager is not None:
-            lora_mapping = lora_step_mapping(self.lora_manager, self.input_batch, inputs)
-        with set_forward_context(attn_metadata):
-            if lora_mapping is None:
-                hidden_states = self.model(input_ids, positions, **kwargs)
-            else:
-                assert self.lora_manager is not None
-                with activate_lora(self.lora_manager.layers, lora_mapping):
-                    hidden_states = self.model(input_ids, positions, **kwargs)
+            mapping = lora_step_mapping(self.lora_manager, self.input_batch, inputs)
+            if mapping is not None:
+                lora = activate_lora(self.lora_manager.layers, mapping)
+        with set_forward_context(attn_metadata), lora:
+            hidden_states = self.model(input_ids, positions, **kwargs)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.prefill(input_ids, positions, attn_metadata)
 
