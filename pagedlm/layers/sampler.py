@@ -121,9 +121,7 @@ class Sampler:
         mode = md.logprobs_mode
         if md.max_num_logprobs is not None and not mode.startswith("processed"):
             raw = logits if mode == "raw_logits" else logits.log_softmax(-1)
-        logits = self.apply_logits_processors(logits, md)
-        logits = self.apply_penalties(logits, md)
-        sampled, processed = self.sample(logits, md)
+        sampled, processed = self.sample(self.penalized_logits(logits, md), md)
         if md.max_num_logprobs is not None and mode.startswith("processed"):
             raw = processed if mode == "processed_logits" else processed.log_softmax(-1)
         lists = None
@@ -210,16 +208,19 @@ class Sampler:
         """The distribution random rows draw from."""
         return cls.filtered_logits(logits, md).softmax(-1)
 
+    def penalized_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """[rows, vocab] fp32 after the logits processors and penalties (what `sample` takes)."""
+        return self.apply_penalties(self.apply_logits_processors(logits.float(), md), md)
+
     def processed_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """[rows, vocab] fp32: the logits each row's token is drawn from, as `logprobs_mode`
         processed_* reports them (see `sample`)."""
-        logits = self.apply_penalties(self.apply_logits_processors(logits.float(), md), md)
+        logits = self.penalized_logits(logits, md)
         return logits if md.all_greedy else self.filtered_logits(logits, md)
 
     def target_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """[rows, vocab] fp32: what `__call__` would sample each random row from."""
-        logits = self.apply_penalties(self.apply_logits_processors(logits.float(), md), md)
-        return self.filtered_probs(logits, md)
+        return self.filtered_probs(self.penalized_logits(logits, md), md)
 
     @staticmethod
     def exponential_race(
