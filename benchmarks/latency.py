@@ -15,6 +15,7 @@ Long contexts: `--input-len 16000 --output-len 32` (--max-model-len is raised to
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -22,13 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import (
-    add_common_args,
-    make_llm,
-    model_and_vocab,
-    run_backends,
-    run_worker,
-)
+from common import add_common_args, make_llm, model_and_vocab, run_backends, run_worker
 
 
 def run_llm_api(backend: str, spec: dict) -> dict:
@@ -36,12 +31,10 @@ def run_llm_api(backend: str, spec: dict) -> dict:
     if spec.get("kv_cache_dtype", "auto") != "auto":
         extra["kv_cache_dtype"] = spec["kv_cache_dtype"]
     llm, sampling_params_cls = make_llm(backend, spec, max_num_seqs=1, **extra)
-    calls = iter(range(10**6))
+    prompt_ids = _prompt_ids(spec)
 
     def timed(max_tokens: int, fresh: bool = False) -> float:
-        # fresh: a new first token, so no prefix-cache hit and TTFT is a whole prefill; else
-        # the warm-up's prompt, cached, so timed(n) - timed(1) is n - 1 decode steps
-        ids = [1000 + next(calls) if fresh else spec["prompt"][0], *spec["prompt"][1:]]
+        ids = prompt_ids(fresh)
         params = sampling_params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
@@ -49,6 +42,14 @@ def run_llm_api(backend: str, spec: dict) -> dict:
 
     timed(4)  # warm-up
     return _summarize(timed, spec)
+
+
+def _prompt_ids(spec: dict):
+    """ids(fresh): the spec's prompt, cached after the warm-up, so timed(n) - timed(1) is n - 1
+    decode steps; or (fresh) with a new first token each call, so no prefix-cache hit and TTFT
+    is a whole prefill."""
+    calls = itertools.count()
+    return lambda fresh: [1000 + next(calls) if fresh else spec["prompt"][0], *spec["prompt"][1:]]
 
 
 def run_transformers(spec: dict) -> dict:
@@ -90,10 +91,10 @@ def run_llamacpp(spec: dict) -> dict:
         seed=0,
         verbose=False,
     )
-    calls = iter(range(10**6))
+    prompt_ids = _prompt_ids(spec)
 
     def timed(max_tokens: int, fresh: bool = False) -> float:
-        ids = [1000 + next(calls) if fresh else spec["prompt"][0], *spec["prompt"][1:]]
+        ids = prompt_ids(fresh)
         start = time.perf_counter()
         for n, _ in enumerate(llm.generate(ids, temp=0.0, reset=True), start=1):
             if n == max_tokens:  # greedy, EOS ignored: stop at exactly max_tokens
