@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from pagedlm.kernels.cpu import _FLOATS, _i64, _int, _ptr, checked, cpu_kernels, declare
-from pagedlm.layers.quantization.gguf_pack import PackedGGUFWeight
+from pagedlm.layers.quantization.gguf_pack import TILE_ROWS, PackedGGUFWeight
 
 declare("gguf_vnni_compiled", [], _int)
 
@@ -32,7 +32,7 @@ def gguf_isa() -> str | None:
 def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
     """The packed tensors' pointers, checked; cached on `w` (decode calls every layer each
     step) and re-checked whenever one of its tensors or layout fields was replaced."""
-    key = (w.qs, w.qh, w.scales, w.mins, w.bits, w.group, w.offset)
+    key = (w.qs, w.qh, w.scales, w.mins, w.bits, w.group, w.offset, w.n)
     cached = w.__dict__.get("_kernel_args")
     if cached is not None and all(
         a is b if isinstance(a, torch.Tensor) or a is None else a == b
@@ -46,17 +46,18 @@ def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
 
 def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
     n, k = w.shape
-    subs = k // w.group
-    qs_width = 64 if w.bits == 8 else 32
+    tiles, subs = -(-n // TILE_ROWS), k // w.group
+    quads = k // 4 if w.bits == 8 else k // 8
     if (w.qh is None) != (w.bits not in (5, 6)):
         raise ValueError(f"{fn}: {w.bits}-bit weights {'need' if w.qh is None else 'take no'} qh")
+    scale_shape = (tiles, subs, TILE_ROWS)
     return (
-        checked(fn, "qs", w.qs, torch.uint8, (n, k // 64, qs_width)),
+        checked(fn, "qs", w.qs, torch.uint8, (tiles, quads, 64)),
         None
         if w.qh is None
-        else checked(fn, "qh", w.qh, torch.uint8, (n, k // 64, 8 * (w.bits - 4))),
-        checked(fn, "scales", w.scales, torch.float32, (n, subs)),
-        None if w.mins is None else checked(fn, "mins", w.mins, torch.float32, (n, subs)),
+        else checked(fn, "qh", w.qh, torch.uint8, (tiles, k // 8, 16 * (w.bits - 4))),
+        checked(fn, "scales", w.scales, torch.float32, scale_shape),
+        None if w.mins is None else checked(fn, "mins", w.mins, torch.float32, scale_shape),
     )
 
 

@@ -1,6 +1,7 @@
 // Shared by the packed-GGUF kernels (gguf_matmul.c: GEMV and dequantization, gguf_gemm.c:
-// the batched integer GEMM): the weight descriptor, activation quantization, chunk unpacking.
-// The layout is documented at the top of gguf_matmul.c.
+// the batched integer GEMM): the weight descriptor, activation quantization, tile unpacking.
+// The layout (16-row tiles in VNNI order) is documented in
+// pagedlm/layers/quantization/gguf_pack.py and at the top of gguf_matmul.c.
 #pragma once
 #include <stdlib.h>
 
@@ -10,25 +11,49 @@
 #define PAGEDLM_VNNI 1
 #endif
 
+#define TILE 16  // rows per tile
+
 typedef struct {
-  const uint8_t* qs;     // [N][K / 64][32] nibble planes, or [N][K / 64][64] bytes (8 bits)
-  const uint8_t* qh;     // [N][K / 64][8 * (bits - 4)] bit planes (5 and 6 bits), else NULL
-  const float* scales;   // [N][K / G]
-  const float* mins;     // [N][K / G] or NULL
-  int64_t N, K;
+  const uint8_t* qs;     // [T][K / 4][64] bytes (8 bits), or [T][K / 8][64] nibble pairs
+  const uint8_t* qh;     // [T][K / 8][16 * (bits - 4)] bit masks (5 and 6 bits), else NULL
+  const float* scales;   // [T][K / G][16]
+  const float* mins;     // [T][K / G][16] or NULL
+  int64_t N, K;          // rows (T = ceil(N / 16) tiles), columns
   int bits, group, offset;
 } QWeight;
 
-static inline int64_t qs_stride(const QWeight* w) { return w->bits == 8 ? 64 : 32; }
-
-static inline int64_t qh_stride(const QWeight* w) {
-  return w->bits == 5 || w->bits == 6 ? 8 * (w->bits - 4) : 0;
-}
+static inline int64_t num_tiles(const QWeight* w) { return (w->N + TILE - 1) / TILE; }
 
 static inline int valid(const QWeight* w) {
   const int bits_ok = w->bits == 4 || w->bits == 5 || w->bits == 6 || w->bits == 8;
   return bits_ok && (w->group == 16 || w->group == 32) && w->N > 0 && w->K > 0 &&
          w->K % 64 == 0;
+}
+
+// q[r][k] (16 rows x K unsigned bytes, row-major) of tile t; padding rows come out as zeros.
+static inline void unpack_tile_portable(const QWeight* w, int64_t t, uint8_t* restrict q) {
+  const int64_t K = w->K;
+  if (w->bits == 8) {
+    const uint8_t* v = w->qs + t * (K / 4) * 64;
+    for (int64_t j = 0; j < K / 4; j++)
+      for (int b = 0; b < 64; b++) q[(b / 4) * K + 4 * j + b % 4] = v[64 * j + b];
+    return;
+  }
+  const int extra = w->bits - 4;
+  for (int64_t s = 0; s < K / 8; s++) {
+    const uint8_t* v = w->qs + (t * (K / 8) + s) * 64;
+    const uint8_t* h = extra > 0 ? w->qh + (t * (K / 8) + s) * 16 * extra : NULL;
+    for (int b = 0; b < 64; b++) {
+      const int r = b / 4, i = b % 4;
+      uint8_t lo = v[b] & 15, hi = v[b] >> 4;
+      for (int p = 0; p < extra; p++) {
+        lo |= ((h[16 * p + b / 8] >> (b % 8)) & 1) << (4 + p);
+        hi |= ((h[16 * p + 8 + b / 8] >> (b % 8)) & 1) << (4 + p);
+      }
+      q[r * K + 8 * s + i] = lo;
+      q[r * K + 8 * s + 4 + i] = hi;
+    }
+  }
 }
 
 // x row (bf16 or fp32) -> int8 per 32-block; d[b] = amax / 127, q = x * (127 / amax) rounded
@@ -60,23 +85,76 @@ static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, i
 #endif
 }
 
-#ifdef PAGEDLM_VNNI
-// Chunk c (64 values) of weight row n as 64 unsigned bytes in value order (BITS a compile-time
-// constant at every call site).
-static inline __attribute__((always_inline)) __m512i unpack_chunk(const QWeight* w, int64_t n,
-                                                                  int64_t c, const int BITS) {
-  const int64_t chunks = w->K / 64;
-  if (BITS == 8) return _mm512_loadu_si512(w->qs + (n * chunks + c) * 64);
-  const __m512i b =
-      _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w->qs + (n * chunks + c) * 32)));
-  __m512i v = _mm512_and_si512(_mm512_srlv_epi64(b, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
-                               _mm512_set1_epi8(15));
-  for (int p = 0; p < BITS - 4; p++) {
-    uint64_t bits;
-    memcpy(&bits, w->qh + (n * chunks + c) * 8 * (BITS - 4) + 8 * p, 8);
-    // bit 4 + p is still clear: a masked add sets it (one instruction, not mov + or)
-    v = _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8((char)(1 << (4 + p))));
+// Quantized activations, per row m and weight sub-block g (G = 16 or 32 values): the int8
+// quants, corr = -offset * (sum of the sub-block's quants), d of its 32-block, and for weights
+// with mins dsum = d * (sum of the quants).
+typedef struct {
+  int8_t* q;      // [M][K]
+  int32_t* corr;  // [M][K / G]
+  float* d;       // [M][K / G]
+  float* dsum;    // [M][K / G] or NULL
+} QAct;
+
+// Allocates a's arrays for M rows (dsum only for weights with mins); 0 when out of memory
+// (free_act is still due).
+static inline int alloc_act(QAct* a, const QWeight* w, int64_t M) {
+  const int64_t subs = w->K / w->group;
+  a->q = aligned_alloc(64, ((M * w->K + 63) / 64) * 64);
+  a->corr = malloc(sizeof(int32_t) * M * subs);
+  a->d = malloc(sizeof(float) * M * subs);
+  a->dsum = w->mins != NULL ? malloc(sizeof(float) * M * subs) : NULL;
+  return a->q && a->corr && a->d && (w->mins == NULL || a->dsum);
+}
+
+static inline void free_act(QAct* a) {
+  free(a->q);
+  free(a->corr);
+  free(a->d);
+  free(a->dsum);
+}
+
+// Row m of x into a; buf: K + K / 32 floats of scratch.
+static inline void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf16,
+                                    const QAct* a, float* restrict buf) {
+  const int64_t K = w->K, G = w->group, subs = K / G;
+  int8_t* q = a->q + m * K;
+  float* d32 = buf + K;
+  quantize_row(x, m, K, bf16, q, d32, buf);
+  for (int64_t g = 0; g < subs; g++) {
+    int32_t total = 0;
+    for (int i = 0; i < G; i++) total += q[g * G + i];
+    const float d = d32[(g * G) >> 5];
+    a->corr[m * subs + g] = -w->offset * total;
+    a->d[m * subs + g] = d;
+    if (a->dsum != NULL) a->dsum[m * subs + g] = d * (float)total;
   }
-  return v;
+}
+
+#ifdef PAGEDLM_VNNI
+// The VNNI vectors of k-quads 2s and 2s + 1 of tile t (BITS a compile-time constant at every
+// call site): 16 rows x 4 unsigned bytes each.
+static inline __attribute__((always_inline)) void kquad_pair(const QWeight* w, int64_t t,
+                                                             int64_t s, const int BITS,
+                                                             __m512i* lo, __m512i* hi) {
+  const int64_t K = w->K;
+  if (BITS == 8) {
+    const uint8_t* v = w->qs + (t * (K / 4) + 2 * s) * 64;
+    *lo = _mm512_loadu_si512(v);
+    *hi = _mm512_loadu_si512(v + 64);
+    return;
+  }
+  const __m512i v = _mm512_loadu_si512(w->qs + (t * (K / 8) + s) * 64);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512i l = _mm512_and_si512(v, low4), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if (BITS > 4) {
+    const uint64_t* m = (const uint64_t*)(w->qh + (t * (K / 8) + s) * 16 * (BITS - 4));
+    for (int p = 0; p < BITS - 4; p++) {  // bit 4 + p is still clear: a masked add sets it
+      const __m512i bit = _mm512_set1_epi8((char)(1 << (4 + p)));
+      l = _mm512_mask_add_epi8(l, _cvtu64_mask64(m[2 * p]), l, bit);
+      h = _mm512_mask_add_epi8(h, _cvtu64_mask64(m[2 * p + 1]), h, bit);
+    }
+  }
+  *lo = l;
+  *hi = h;
 }
 #endif

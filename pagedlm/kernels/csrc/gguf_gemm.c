@@ -2,13 +2,11 @@
 // integer arithmetic, for prefill chunks and large decode batches (AVX-512 VNNI only; without
 // it the caller dequantizes tiles for a float GEMM).
 //
-// 1. x is quantized per row and 32-value block to int8 exactly as the GEMV does (quantize_row:
-//    d = amax / 127, round half to even). Per weight sub-block g (G = 16 or 32 values) of each
-//    row: corr = -offset * (sum of its quants), d of its 32-block, and with mins d * (sum).
-// 2. W is cut into tiles of NT = 32 output columns. A thread unpacks a tile once into an
-//    L2-sized scratch in the VNNI order [K / 4][32][4] (4 consecutive k of a column per int32
-//    lane: 16 rows' 64-value chunks transposed as a 16 x 16 dword matrix), scales and mins
-//    transposed to [K / G][32], padding columns past N with zero quants and scales.
+// 1. x is quantized per row and 32-value block to int8 exactly as the GEMV does
+//    (quantize_act_row: per weight sub-block the offset correction, d, and d * sum for mins).
+// 2. W is cut into tiles of NT = 32 output columns (two packed 16-row tiles). A thread unpacks
+//    a tile once into a scratch of bytes in VNNI order [K / 4][32][4], scales and mins as
+//    [K / G][32]; a missing second half (N <= 16 past the first) is zeros.
 // 3. The microkernel holds MR activation rows x 32 columns: per sub-block, int32 accumulators
 //    start at corr and take G / 4 vpdpbusd steps (weight quant u8 x activation quant s8, exact);
 //    then fp32 acc += (float)(int sum) * d * scale (and -= min * d * sum with mins).
@@ -22,73 +20,37 @@
 #define NT 32    // output columns per tile (two 16-lane vectors)
 #define MR_MAX 6  // activation rows per microkernel call
 
-typedef struct {
-  int8_t* q;      // [M][K]
-  int32_t* corr;  // [M][K / G]: -offset * sum of the sub-block's quants
-  float* d;       // [M][K / G]: scale of the sub-block's 32-value block
-  float* dsum;    // [M][K / G]: d * sum of the sub-block's quants (weights with mins), or NULL
-} GemmAct;
-
-static void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf16,
-                             const GemmAct* a, float* restrict buf, float* restrict d32) {
-  const int64_t K = w->K, G = w->group, subs = K / G;
-  int8_t* q = a->q + m * K;
-  quantize_row(x, m, K, bf16, q, d32, buf);
-  int32_t sums[8];  // per 8 quants of a 64-value chunk: sum(q + 128) by vpsadbw, less 8 * 128
-  for (int64_t g = 0; g < subs; g++) {
-    const int per = G / 8;  // sums per sub-block
-    if ((g * G) % 64 == 0) {
-      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(q + g * G), _mm512_set1_epi8(-128));
-      _mm256_storeu_si256((__m256i*)sums,
-                          _mm512_cvtepi64_epi32(_mm512_sad_epu8(u, _mm512_setzero_si512())));
-    }
-    const int first = (int)((g * G) % 64) / 8;
-    int32_t total = -1024 * per;
-    for (int i = 0; i < per; i++) total += sums[first + i];
-    const float d = d32[(g * G) >> 5];
-    a->corr[m * subs + g] = -w->offset * total;
-    a->d[m * subs + g] = d;
-    if (a->dsum != NULL) a->dsum[m * subs + g] = d * (float)total;
-  }
-}
-
-// Tile of columns n0 .. n0 + 31 into wt [K / 4][32][4], sT and mT [K / G][32].
-static inline __attribute__((always_inline)) void unpack_tile(const QWeight* w, int64_t n0,
+// Columns n0 .. n0 + 31 (tiles 2 tp, 2 tp + 1) into wt [K / 4][32][4], sT and mT [K / G][32].
+static inline __attribute__((always_inline)) void unpack_tile(const QWeight* w, int64_t tp,
                                                               uint8_t* restrict wt,
                                                               float* restrict sT,
                                                               float* restrict mT,
                                                               const int BITS) {
-  const int64_t chunks = w->K / 64, subs = w->K / w->group;
+  const int64_t subs = w->K / w->group, tiles = num_tiles(w);
   for (int half = 0; half < 2; half++) {
-    const int64_t base = n0 + 16 * half;
-    const int valid_rows = w->N - base >= 16 ? 16 : (w->N > base ? (int)(w->N - base) : 0);
-    for (int64_t c = 0; c < chunks; c++) {
-      __m512 r[16];
-      for (int i = 0; i < 16; i++)
-        r[i] = i < valid_rows ? _mm512_castsi512_ps(unpack_chunk(w, base + i, c, BITS))
-                              : _mm512_setzero_ps();
-      transpose16(r);  // r[j] lane i = k values 64c + 4j .. 4j + 3 of row base + i
-      for (int j = 0; j < 16; j++)
-        _mm512_store_ps((float*)(wt + ((c * 16 + j) * NT + 16 * half) * 4), r[j]);
+    const int64_t t = 2 * tp + half;
+    for (int64_t s = 0; s < w->K / 8; s++) {
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      if (t < tiles) kquad_pair(w, t, s, BITS, &lo, &hi);
+      _mm512_store_si512(wt + (2 * s * NT + TILE * half) * 4, lo);
+      _mm512_store_si512(wt + ((2 * s + 1) * NT + TILE * half) * 4, hi);
     }
-  }
-  for (int i = 0; i < NT; i++) {
-    const int in = n0 + i < w->N;
-    const float* sc = w->scales + (n0 + i) * subs;
-    const float* mn = w->mins == NULL ? NULL : w->mins + (n0 + i) * subs;
     for (int64_t g = 0; g < subs; g++) {
-      sT[g * NT + i] = in ? sc[g] : 0.f;
-      if (mT != NULL) mT[g * NT + i] = in && mn != NULL ? mn[g] : 0.f;
+      const int64_t at = (t * subs + g) * TILE;
+      const __m512 zero = _mm512_setzero_ps();
+      _mm512_store_ps(sT + g * NT + TILE * half, t < tiles ? _mm512_loadu_ps(w->scales + at) : zero);
+      if (mT != NULL)
+        _mm512_store_ps(mT + g * NT + TILE * half, t < tiles ? _mm512_loadu_ps(w->mins + at) : zero);
     }
   }
 }
 
-static void unpack_tile_any(const QWeight* w, int64_t n0, uint8_t* wt, float* sT, float* mT) {
+static void unpack_tile_any(const QWeight* w, int64_t tp, uint8_t* wt, float* sT, float* mT) {
   switch (w->bits) {
-    case 4: unpack_tile(w, n0, wt, sT, mT, 4); break;
-    case 5: unpack_tile(w, n0, wt, sT, mT, 5); break;
-    case 6: unpack_tile(w, n0, wt, sT, mT, 6); break;
-    default: unpack_tile(w, n0, wt, sT, mT, 8);
+    case 4: unpack_tile(w, tp, wt, sT, mT, 4); break;
+    case 5: unpack_tile(w, tp, wt, sT, mT, 5); break;
+    case 6: unpack_tile(w, tp, wt, sT, mT, 6); break;
+    default: unpack_tile(w, tp, wt, sT, mT, 8);
   }
 }
 
@@ -96,7 +58,7 @@ static void unpack_tile_any(const QWeight* w, int64_t n0, uint8_t* wt, float* sT
 static inline __attribute__((always_inline)) void micro(const uint8_t* restrict wt,
                                                         const float* restrict sT,
                                                         const float* restrict mT,
-                                                        const GemmAct* a, int64_t K, int64_t m0,
+                                                        const QAct* a, int64_t K, int64_t m0,
                                                         const int MR, const int G,
                                                         const int MINS, float* out) {
   const int64_t subs = K / G;
@@ -150,7 +112,7 @@ static inline __attribute__((always_inline)) void micro(const uint8_t* restrict 
 
 #define MICRO_FOR(G, MINS)                                                                   \
   static void micro_g##G##_m##MINS(const uint8_t* wt, const float* sT, const float* mT,      \
-                                   const GemmAct* a, int64_t K, int64_t m0, int mr,          \
+                                   const QAct* a, int64_t K, int64_t m0, int mr,          \
                                    float* out) {                                             \
     switch (mr) {                                                                            \
       case 6: micro(wt, sT, mT, a, K, m0, 6, G, MINS, out); break;                           \
@@ -167,7 +129,7 @@ MICRO_FOR(32, 0)
 MICRO_FOR(32, 1)
 
 static void micro_any(const QWeight* w, const uint8_t* wt, const float* sT, const float* mT,
-                      const GemmAct* a, int64_t m0, int mr, float* out) {
+                      const QAct* a, int64_t m0, int mr, float* out) {
   const int64_t K = w->K;
   if (w->group == 16) {
     if (w->mins != NULL) micro_g16_m1(wt, sT, mT, a, K, m0, mr, out);
@@ -205,16 +167,13 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const float* 
   // scheduler slice on a shared machine): each thread quantizes the activations for itself.
 #pragma omp parallel num_threads(num_threads)
   {
-    GemmAct a = {aligned_alloc(64, M * K), malloc(sizeof(int32_t) * M * subs),
-                 malloc(sizeof(float) * M * subs),
-                 mins != NULL ? malloc(sizeof(float) * M * subs) : NULL};
+    QAct a;
     float* buf = malloc(sizeof(float) * (K + K / 32));
     uint8_t* wt = aligned_alloc(64, NT * K);
     float* sT = aligned_alloc(64, sizeof(float) * NT * subs);
     float* mT = mins != NULL ? aligned_alloc(64, sizeof(float) * NT * subs) : NULL;
-    const int mine = a.q != NULL && a.corr != NULL && a.d != NULL &&
-                     (mins == NULL || a.dsum != NULL) && buf != NULL && wt != NULL &&
-                     sT != NULL && (mins == NULL || mT != NULL);
+    const int mine = alloc_act(&a, &w, M) && buf != NULL && wt != NULL && sT != NULL &&
+                     (mins == NULL || mT != NULL);
     if (!mine) {
 #pragma omp atomic write
       ok = 0;
@@ -222,11 +181,11 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const float* 
       const int nth = omp_get_num_threads(), me = omp_get_thread_num();
       const int64_t t0 = tiles * me / nth, t1 = tiles * (me + 1) / nth;
       if (t1 > t0)
-        for (int64_t m = 0; m < M; m++) quantize_act_row(x, m, &w, bf16, &a, buf, buf + K);
+        for (int64_t m = 0; m < M; m++) quantize_act_row(x, m, &w, bf16, &a, buf);
       for (int64_t t = t0; t < t1; t++) {
         const int64_t n0 = t * NT;
         const int cols = N - n0 < NT ? (int)(N - n0) : NT;
-        unpack_tile_any(&w, n0, wt, sT, mT);
+        unpack_tile_any(&w, t, wt, sT, mT);
         float bv[NT] = {0};
         if (bias != NULL) load_row(bias, n0, cols, bf16, bv);
         for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
@@ -248,10 +207,7 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const float* 
         }
       }
     }
-    free(a.q);
-    free(a.corr);
-    free(a.d);
-    free(a.dsum);
+    free_act(&a);
     free(buf);
     free(wt);
     free(sT);

@@ -158,9 +158,11 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[_Grou
     def flush() -> None:
         if not pending:
             return
-        offset = pending[0][0]
-        packed = [pack_gguf(t.data, t.ggml_type, tuple(t.shape)) for _, t in pending]
-        groups.append(_Group(offset, sum(p.shape[0] for p in packed), _cat_packed(packed), None))
+        offset, first = pending[0]
+        rows = sum(t.shape[0] for _, t in pending)
+        data = torch.cat([t.data for _, t in pending]) if len(pending) > 1 else first.data
+        packed = pack_gguf(data, first.ggml_type, (rows, first.shape[1]))
+        groups.append(_Group(offset, rows, packed, None))
         pending.clear()
 
     at = 0
@@ -192,20 +194,6 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[_Grou
         else:
             merged.append(g)
     return merged
-
-
-def _cat_packed(parts: list[PackedGGUFWeight]) -> PackedGGUFWeight:
-    if len(parts) == 1:
-        return parts[0]
-
-    def cat(name: str) -> torch.Tensor | None:
-        tensors = [getattr(p, name) for p in parts]
-        return None if tensors[0] is None else torch.cat(tensors)
-
-    p = parts[0]
-    return PackedGGUFWeight(
-        cat("qs"), cat("qh"), cat("scales"), cat("mins"), p.bits, p.group, p.offset, p.ggml_type
-    )
 
 
 def gguf_linear(

@@ -3,11 +3,18 @@
 Every supported type is written as ``W[n][k] = scale[n][k // G] * (q[n][k] - offset) -
 min[n][k // G]`` with q unsigned and ``bits`` wide, scale/min fp32 per sub-block of G values
 (the products ``d * sub_scale`` that ggml's reference computes, so dequantizing gives exactly
-its float32 values). Per 64-value chunk of a row, q is stored as
+its float32 values).
 
-* a nibble plane (32 bytes): byte i = ``q[i] & 15 | (q[32 + i] & 15) << 4``, and
-* ``bits - 4`` bit planes (8 bytes each) for 5/6-bit q: bit i of plane p = bit 4 + p of q[i];
-* 8-bit q (Q8_0, stored as q + 128): the 64 bytes as they are.
+Rows are stored in tiles of 16 (the last one padded with zero quants, scales and mins), each
+in VNNI order: a 64-byte vector holds 4 consecutive values ("a k-quad") of each of the 16
+rows, byte 4 r + i = q[16 t + r][4 j + i], which one ``vpdpbusd`` multiplies with 4 activation
+quants broadcast. Per tile t:
+
+* 8-bit q (Q8_0, stored as q + 128): ``qs[t][j]`` is the vector of k-quad j, as it is;
+* 4/5/6-bit q: ``qs[t][s]`` holds k-quads 2s (low nibbles) and 2s + 1 (high nibbles), and for
+  5/6 bits ``qh[t][s]`` holds per extra bit p = 0, 1 two 64-bit masks (k-quad 2s, then 2s + 1)
+  whose bit 4 r + i is bit 4 + p of that value;
+* ``scales[t][g]`` (and ``mins[t][g]``): the 16 rows' values for sub-block g.
 
 =====  ====  ==  ======  ====  ====================================
 type   bits  G   offset  min   from the GGUF block
@@ -35,28 +42,36 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _T = GGMLQuantizationType
 _ROW_CHUNK_VALUES = 1 << 22  # rows repacked per step: keeps the int temporaries small
+TILE_ROWS = 16  # rows per VNNI tile (one 16-lane int32 vector of dot products)
 
 
 @dataclass
 class PackedGGUFWeight:
-    """A [N, K] weight in the layout above (all tensors contiguous, on the CPU)."""
+    """An [n, K] weight in the layout above (all tensors contiguous, on the CPU); T = ceil(n /
+    16) row tiles."""
 
-    qs: torch.Tensor  # uint8 [N, K/64, 32] (bits < 8) or [N, K/64, 64]
-    qh: torch.Tensor | None  # uint8 [N, K/64, 8 * (bits - 4)] for 5/6 bits
-    scales: torch.Tensor  # fp32 [N, K/G]
-    mins: torch.Tensor | None  # fp32 [N, K/G]
+    qs: torch.Tensor  # uint8 [T, K/4, 64] (8 bits) or [T, K/8, 64]
+    qh: torch.Tensor | None  # uint8 [T, K/8, 16 * (bits - 4)] for 5/6 bits
+    scales: torch.Tensor  # fp32 [T, K/G, 16]
+    mins: torch.Tensor | None  # fp32 [T, K/G, 16]
     bits: int
     group: int
     offset: int
     ggml_type: int
+    n: int  # rows (the last tile's padding excluded)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.qs.shape[1] * 64
+        return self.n, self.scales.shape[1] * self.group
 
     def nbytes(self) -> int:
         parts = (self.qs, self.qh, self.scales, self.mins)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def row_values(self, name: str) -> torch.Tensor | None:
+        """`scales` or `mins` per row, [n, K/G]."""
+        v = getattr(self, name)
+        return None if v is None else v.transpose(1, 2).reshape(-1, v.shape[1])[: self.n]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -154,21 +169,25 @@ def can_pack(ggml_type: int, shape: tuple[int, ...]) -> bool:
     return t in _TYPES and len(shape) == 2 and shape[1] % 64 == 0 and shape[0] > 0
 
 
-def _planes(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Unpacked q [n, K] uint8 -> (nibble plane or bytes, bit planes) per 64-value chunk."""
-    n, k = q.shape
-    qv = q.reshape(n, k // 64, 64)
-    if bits == 8:
-        return qv.contiguous(), None
-    qs = (qv[..., :32] & 15) | ((qv[..., 32:] & 15) << 4)
-    if bits == 4:
-        return qs.contiguous(), None
+def _bit_masks(bit: torch.Tensor) -> torch.Tensor:
+    """[..., 64] of 0/1 -> [..., 8] bytes of the little-endian 64-bit mask."""
     weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)
-    planes = []
-    for p in range(bits - 4):
-        bit = ((qv >> (4 + p)) & 1).reshape(n, k // 64, 8, 8)
-        planes.append((bit * weights).sum(-1, dtype=torch.int32).to(torch.uint8))
-    return qs.contiguous(), torch.cat(planes, dim=-1).contiguous()
+    return (bit.reshape(*bit.shape[:-1], 8, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def _tiles(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Unpacked q [n, K] uint8 (n a multiple of 16) -> (qs, qh) of the tiles."""
+    n, k = q.shape
+    # [T, K/4, 16 rows, 4 values]: the k-quad vectors
+    quads = q.view(n // TILE_ROWS, TILE_ROWS, k // 4, 4).transpose(1, 2).reshape(n // 16, k // 4, 64)
+    if bits == 8:
+        return quads.contiguous(), None
+    lo, hi = quads[:, 0::2], quads[:, 1::2]  # k-quads 2s and 2s + 1
+    qs = ((lo & 15) | ((hi & 15) << 4)).contiguous()
+    if bits == 4:
+        return qs, None
+    masks = [_bit_masks((half >> (4 + p)) & 1) for p in range(bits - 4) for half in (lo, hi)]
+    return qs, torch.cat(masks, dim=-1).contiguous()
 
 
 def pack_gguf(
@@ -186,39 +205,57 @@ def pack_gguf(
     if data.numel() != n * k // block * type_size:
         raise ValueError(f"{t.name} tensor {tuple(shape)}: got {data.numel()} bytes")
     blocks = data.view(n, k // block, type_size)
-    qs = torch.empty(n, k // 64, 64 if bits == 8 else 32, dtype=torch.uint8)
-    qh = torch.empty(n, k // 64, 8 * (bits - 4), dtype=torch.uint8) if bits in (5, 6) else None
-    scales = torch.empty(n, k // group)
+    tiles = -(-n // TILE_ROWS)
+    quads = k // 4 if bits == 8 else k // 8
+    qs = torch.zeros(tiles, quads, 64, dtype=torch.uint8)
+    qh = torch.zeros(tiles, k // 8, 16 * (bits - 4), dtype=torch.uint8) if bits in (5, 6) else None
+    scales = torch.zeros(tiles, k // group, TILE_ROWS)
     mins = None
-    step = max(1, _ROW_CHUNK_VALUES // k)
+    step = max(1, _ROW_CHUNK_VALUES // k // TILE_ROWS) * TILE_ROWS
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         q, sc, mn = decode(blocks[r0:r1].reshape(-1, type_size))
-        q = q.reshape(r1 - r0, k)
-        qs[r0:r1], h = _planes(q, bits)
+        rows = -(-(r1 - r0) // TILE_ROWS) * TILE_ROWS  # the last tile padded with zeros
+        t0, t1 = r0 // TILE_ROWS, r0 // TILE_ROWS + rows // TILE_ROWS
+        qs[t0:t1], h = _tiles(_pad_rows(q.reshape(r1 - r0, k), rows), bits)
         if qh is not None:
-            qh[r0:r1] = h
-        scales[r0:r1] = sc.reshape(r1 - r0, -1)
+            qh[t0:t1] = h
+        scales[t0:t1] = _row_tiles(sc.reshape(r1 - r0, -1), rows)
         if mn is not None:
             if mins is None:
-                mins = torch.empty(n, k // group)
-            mins[r0:r1] = mn.reshape(r1 - r0, -1)
-    return PackedGGUFWeight(qs, qh, scales, mins, bits, group, offset, int(t))
+                mins = torch.zeros(tiles, k // group, TILE_ROWS)
+            mins[t0:t1] = _row_tiles(mn.reshape(r1 - r0, -1), rows)
+    return PackedGGUFWeight(qs, qh, scales, mins, bits, group, offset, int(t), n)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
+
+
+def _row_tiles(v: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-row values [r, subs] -> [rows / 16, subs, 16] (zero padding rows)."""
+    v = _pad_rows(v, rows)
+    return v.view(rows // TILE_ROWS, TILE_ROWS, -1).transpose(1, 2)
 
 
 def unpack_q(w: PackedGGUFWeight) -> torch.Tensor:
-    """The unsigned quants q [N, K] uint8 (PyTorch twin of the kernels' unpacking)."""
+    """The unsigned quants q [n, K] uint8 (PyTorch twin of the kernels' unpacking)."""
     n, k = w.shape
+    tiles = w.qs.shape[0]
     if w.bits == 8:
-        return w.qs.reshape(n, k)
-    q = torch.cat((w.qs & 15, w.qs >> 4), dim=-1)  # [n, K/64, 64]
-    if w.qh is not None:
-        shifts = torch.arange(8, dtype=torch.uint8)
-        for p in range(w.bits - 4):
-            plane = w.qh[..., 8 * p : 8 * p + 8]
-            bit = ((plane[..., None] >> shifts) & 1).reshape(n, k // 64, 64)
-            q |= bit << (4 + p)
-    return q.reshape(n, k)
+        quads = w.qs
+    else:
+        lo, hi = w.qs & 15, w.qs >> 4
+        if w.qh is not None:
+            shifts = torch.arange(8, dtype=torch.uint8)
+            for p in range(w.bits - 4):
+                for h, half in enumerate((lo, hi)):
+                    at = 16 * p + 8 * h
+                    bit = ((w.qh[..., at : at + 8, None] >> shifts) & 1).reshape(half.shape)
+                    half |= bit << (4 + p)
+        quads = torch.stack((lo, hi), dim=2).reshape(tiles, k // 4, 64)
+    q = quads.view(tiles, k // 4, TILE_ROWS, 4).transpose(1, 2).reshape(tiles * TILE_ROWS, k)
+    return q[:n]
 
 
 def dequantize_packed(
@@ -228,9 +265,9 @@ def dequantize_packed(
     q = unpack_q(w)[rows]
     n, k = q.shape
     x = (q.to(torch.int32) - w.offset).float().view(n, k // w.group, w.group)
-    x.mul_(w.scales[rows][..., None])
+    x.mul_(w.row_values("scales")[rows][..., None])
     if w.mins is not None:
-        x.sub_(w.mins[rows][..., None])
+        x.sub_(w.row_values("mins")[rows][..., None])
     return x.view(n, k).to(dtype)
 
 
