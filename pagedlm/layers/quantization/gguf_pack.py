@@ -179,7 +179,8 @@ def _tiles(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | Non
     """Unpacked q [n, K] uint8 (n a multiple of 16) -> (qs, qh) of the tiles."""
     n, k = q.shape
     # [T, K/4, 16 rows, 4 values]: the k-quad vectors
-    quads = q.view(n // TILE_ROWS, TILE_ROWS, k // 4, 4).transpose(1, 2).reshape(n // 16, k // 4, 64)
+    tiles = n // TILE_ROWS
+    quads = q.view(tiles, TILE_ROWS, k // 4, 4).transpose(1, 2).reshape(tiles, k // 4, 64)
     if bits == 8:
         return quads.contiguous(), None
     lo, hi = quads[:, 0::2], quads[:, 1::2]  # k-quads 2s and 2s + 1
