@@ -3,7 +3,11 @@ same file: greedy agreement over 10 prompts, perplexity on a fixed text, peak RS
 
     .venv/bin/python benchmarks/gguf_quality.py [--model qwen2.5-coder-0.5b-instruct]
 
-Each path runs in its own process (PAGEDLM_GGUF_DEQUANTIZE=1 for bf16), so peak RSS is its own.
+Each path runs in its own process (PAGEDLM_GGUF_DEQUANTIZE=1 for the dequantized ones), so peak
+RSS is its own. Agreement is reported two ways: identical free-running completions (one early
+difference changes everything after it), and teacher-forced: every path scores the bf16 path's
+completions as prompts, and a position agrees when the bf16 token is its top-1 (rank 1). The
+dequantized fp32 path gives the floor: how far bf16 rounding alone moves the same weights.
 """
 
 from __future__ import annotations
@@ -40,12 +44,12 @@ def fixed_text() -> str:
     return (ROOT / "pagedlm" / "sampling_params.py").read_text()[:6000]
 
 
-def worker(model: str, out: str) -> None:
+def worker(model: str, mode: str, out: str, reference: str | None) -> None:
     sys.path.insert(0, str(ROOT))
     from pagedlm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, max_model_len=4096, seed=0)
+    llm = LLM(model, max_model_len=4096, seed=0, dtype="float32" if mode == "fp32" else "auto")
     load_s = time.perf_counter() - start
     tok = llm.get_tokenizer()
     chats = [
@@ -62,7 +66,20 @@ def worker(model: str, out: str) -> None:
         {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
     )[0]
     lps = [d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], ids[1:])]
+    forced = None
+    if reference is not None:  # top-1 agreement with the reference path's completions
+        ref = json.loads(Path(reference).read_text())["tokens"]
+        prompts = [{"prompt_token_ids": o.prompt_token_ids + c} for o, c in zip(outs, ref)]
+        scores = llm.generate(
+            prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+        )
+        forced = []
+        for o, sc, completion in zip(outs, scores, ref):
+            start_at = len(o.prompt_token_ids)
+            ranks = [sc.prompt_logprobs[start_at + i][t].rank for i, t in enumerate(completion)]
+            forced.append([r == 1 for r in ranks])
     result = {
+        "forced": forced,
         "load_s": load_s,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "texts": [o.outputs[0].text for o in outs],
@@ -79,34 +96,45 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--reference", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write both results here")
     args = ap.parse_args()
     if args.worker:
-        worker(args.model, args.out)
+        worker(args.model, args.worker, args.out, args.reference)
         return
     results = {}
-    for mode in ("gguf", "bf16"):
-        env = dict(os.environ, PAGEDLM_GGUF_DEQUANTIZE="1" if mode == "bf16" else "0")
+    for mode in ("bf16", "gguf", "fp32"):  # bf16 first: its completions are the reference
+        env = dict(os.environ, PAGEDLM_GGUF_DEQUANTIZE="0" if mode == "gguf" else "1")
         out = f"/tmp/pagedlm_gguf_quality_{mode}_{os.getpid()}.json"
         cmd = [sys.executable, __file__, "--worker", mode, "--out", out, "--model", args.model]
+        if mode != "bf16":
+            cmd += ["--reference", f"/tmp/pagedlm_gguf_quality_bf16_{os.getpid()}.json"]
         subprocess.run(cmd, env=env, check=True)
         results[mode] = json.loads(Path(out).read_text())
-        Path(out).unlink()
-    q, b = results["gguf"], results["bf16"]
-    same = sum(x == y for x, y in zip(q["tokens"], b["tokens"]))
-    prefix = [
-        next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-        for x, y in zip(q["tokens"], b["tokens"])
-    ]
-    print(
-        f"greedy: {same}/{len(PROMPTS)} identical completions ({MAX_TOKENS} tokens max); "
-        f"common prefix per prompt: {prefix}"
-    )
-    rel = (q["ppl"] - b["ppl"]) / b["ppl"]
-    print(
-        f"perplexity ({q['ppl_tokens']} tokens): gguf {q['ppl']:.4f}, bf16 {b['ppl']:.4f} "
-        f"({rel:+.2%})"
-    )
+    for mode in results:
+        Path(f"/tmp/pagedlm_gguf_quality_{mode}_{os.getpid()}.json").unlink()
+    b = results["bf16"]
+    for mode in ("gguf", "fp32"):
+        q = results[mode]
+        same = sum(x == y for x, y in zip(q["tokens"], b["tokens"]))
+        prefix = [
+            next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+            for x, y in zip(q["tokens"], b["tokens"])
+        ]
+        flat = [a for f in q["forced"] for a in f]
+        all_agree = sum(all(f) for f in q["forced"])
+        print(
+            f"{mode} vs bf16: {same}/{len(PROMPTS)} identical completions ({MAX_TOKENS} tokens "
+            f"max), common prefix per prompt {prefix}; teacher-forced top-1 agreement "
+            f"{sum(flat)}/{len(flat)} positions ({sum(flat) / len(flat):.1%}), every position "
+            f"on {all_agree}/{len(PROMPTS)} prompts"
+        )
+        rel = (q["ppl"] - b["ppl"]) / b["ppl"]
+        print(
+            f"  perplexity ({q['ppl_tokens']} tokens): {mode} {q['ppl']:.4f}, bf16 "
+            f"{b['ppl']:.4f} ({rel:+.2%})"
+        )
+    q = results["gguf"]
     print(
         f"peak RSS MB after load + generate: gguf {q['peak_rss_mb_generate']:.0f}, bf16 "
         f"{b['peak_rss_mb_generate']:.0f}; with the perplexity pass (its logits): gguf "
