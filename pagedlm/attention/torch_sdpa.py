@@ -179,8 +179,12 @@ class TorchSDPABackend(AttentionBackend):
             flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
             flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
 
-        out = torch.empty_like(query)
         nd = metadata.num_decode_tokens
+        if nd == query.shape[0]:  # a decode-only step: the kernel's output is the result
+            return self._decode(
+                query, k_cache, v_cache, metadata, scale, sliding_window, k_scale, v_scale
+            )
+        out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode(
                 query[:nd], k_cache, v_cache, metadata, scale, sliding_window, k_scale, v_scale
