@@ -44,6 +44,13 @@ _VARS = [
         "1: GGUF weights are dequantized to the model dtype at load (when quantization is "
         "not given) instead of kept packed for the integer kernels.",
     ),
+    EnvVar(
+        "PAGEDLM_DISABLE_DECODE_PLAN",
+        False,
+        _flag,
+        "1: small decode steps run the model's modules instead of the prepared kernel calls of "
+        "models/llama_decode_plan.py (same results; for comparison and debugging).",
+    ),
     EnvVar("CC", None, str, "C compiler for the kernels (default: gcc, else cc)."),
     EnvVar(
         "OMP_NUM_THREADS",

@@ -13,6 +13,8 @@ The layout is `pagedlm.layers.quantization.gguf_pack.PackedGGUFWeight`; its PyTo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagedlm.kernels.cpu import _FLOATS, _i64, _int, _ptr, checked, cpu_kernels, declare
@@ -24,8 +26,11 @@ declare("gguf_vnni_compiled", [], _int)
 def gguf_isa() -> str | None:
     """The fastest quantized GEMV here: "avx512_vnni", "portable", or None (no C kernels)."""
     lib = cpu_kernels()
-    if lib is None:
-        return None
+    return None if lib is None else _isa_of(lib)
+
+
+@functools.cache
+def _isa_of(lib) -> str:
     return "avx512_vnni" if lib.gguf_vnni_compiled() else "portable"
 
 
@@ -61,13 +66,23 @@ def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
     )
 
 
-def _matmul_args(fn: str, x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None):
+def _matmul_args(
+    fn: str,
+    x: torch.Tensor,
+    w: PackedGGUFWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+):
     """(y, the checked arguments both kernels take first: x, qs, qh, scales, mins, bias, y, M,
-    N, K, bits, group, offset, bf16)."""
+    N, K, bits, group, offset, bf16). `out`: y given, [M, N] with contiguous rows."""
     n, k = w.shape
     x = x.contiguous()
     m = x.shape[0]
-    y = x.new_empty(m, n)
+    if out is None:
+        y = x.new_empty(m, n)
+    else:
+        checked(fn, "out", out, x.dtype, (m, n), rows_strided=True)
+        y = out
     args = (
         checked(fn, "x", x, _FLOATS, (m, k)),
         *_weight_args(fn, w),
@@ -84,23 +99,29 @@ def _matmul_args(fn: str, x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tens
     return y, args
 
 
-# x, qs, qh, scales, mins, bias, y, M, N, K, bits, group, offset, bf16, isa, num_threads
+# x, qs, qh, scales, mins, bias, y, ldy, M, N, K, bits, group, offset, bf16, isa, num_threads
 # -> 1 if computed (0: bad layout, ISA not compiled in, or out of memory)
-declare("gguf_gemv", [_ptr] * 7 + [_i64] * 3 + [_int] * 6, _int)
+declare("gguf_gemv", [_ptr] * 7 + [_i64] * 4 + [_int] * 6, _int)
+_ISA_CODES = {"avx512_vnni": 1, "portable": 0}
 
 
 def gguf_gemv(
-    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None, isa: str | None = None
+    x: torch.Tensor,
+    w: PackedGGUFWeight,
+    bias: torch.Tensor | None,
+    isa: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype; None without C kernels.
-    `isa`: "avx512_vnni" or "portable" (tests); None takes the fastest."""
+    `isa`: "avx512_vnni" or "portable" (tests); None takes the fastest. `out`: an [M, N] view
+    with contiguous rows (e.g. columns of a wider tensor) to write into instead."""
     lib = cpu_kernels()
     if lib is None:
         return None
     isa = isa or gguf_isa()
-    code = {"avx512_vnni": 1, "portable": 0}[isa]
-    y, args = _matmul_args("gguf_gemv", x, w, bias)
-    if not lib.gguf_gemv(*args, code, torch.get_num_threads()):
+    y, args = _matmul_args("gguf_gemv", x, w, bias, out)
+    ldy = y.stride(0)
+    if not lib.gguf_gemv(*args[:7], ldy, *args[7:], _ISA_CODES[isa], torch.get_num_threads()):
         raise MemoryError(f"gguf_gemv: out of memory or {isa} not compiled in")
     return y
 

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 import torch
 
+from pagedlm import envs
 from pagedlm.attention.backend import get_attn_backend
 from pagedlm.attention.kv_cache_dtype import kv_cache_torch_dtype
 from pagedlm.config import VllmConfig
@@ -33,6 +34,8 @@ from pagedlm.lora.layers import activate as activate_lora
 from pagedlm.lora.manager import WorkerLoRAManager
 from pagedlm.lora.worker_mixin import lora_step_mapping
 from pagedlm.model_loader.loader import get_model
+from pagedlm.models.llama_decode_plan import MAX_ROWS as DECODE_PLAN_ROWS
+from pagedlm.models.llama_decode_plan import LlamaDecodePlan
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagedlm.spec_decode.rejection_sampler import verify_greedy, verify_random
@@ -66,6 +69,8 @@ class ModelRunner:
             self.proposer = DraftModelProposer(vllm_config, device)
         elif spec is not None:
             self.proposer = NgramProposer(spec)
+        self._plan_support: bool | None = None  # decided once the KV cache exists
+        self._decode_plans: dict[int, LlamaDecodePlan] = {}  # by number of sequences
         self.lora_manager: WorkerLoRAManager | None = None
         if vllm_config.lora_config is not None:
             self.lora_manager = WorkerLoRAManager(
@@ -100,6 +105,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.attn_layers, num_blocks, block_size, dtype)
         for layer in self.attn_layers:
             layer.calculate_kv_scales = self.vllm_config.cache_config.calculate_kv_scales
+        self._plan_support = None
         if isinstance(self.proposer, DraftModelProposer):
             allocate_kv_caches(self.proposer.attn_layers, num_blocks, block_size, dtype)
 
@@ -124,8 +130,14 @@ class ModelRunner:
             mapping = lora_step_mapping(self.lora_manager, self.input_batch, inputs)
             if mapping is not None:
                 lora = activate_lora(self.lora_manager.layers, mapping)
-        with set_forward_context(attn_metadata), lora:
-            hidden_states = self.model(input_ids, positions, **kwargs)
+        plan = None
+        if not kwargs and isinstance(lora, nullcontext) and self.proposer is None:
+            plan = self._decode_plan(input_ids.shape[0], attn_metadata)
+        if plan is not None:
+            hidden_states = plan.run(input_ids, positions, attn_metadata)
+        else:
+            with set_forward_context(attn_metadata), lora:
+                hidden_states = self.model(input_ids, positions, **kwargs)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.prefill(input_ids, positions, attn_metadata)
 
@@ -145,6 +157,24 @@ class ModelRunner:
         if self.proposer is not None:
             self._propose(inputs, output)
         return output
+
+    def _decode_plan(self, num_tokens: int, attn_metadata) -> LlamaDecodePlan | None:
+        """The prepared kernel calls for a decode-only step of up to MAX_ROWS sequences, where
+        the model supports them (models/llama_decode_plan.py); None: run the modules."""
+        if self._plan_support is None:
+            self._plan_support = not envs.PAGEDLM_DISABLE_DECODE_PLAN and LlamaDecodePlan.supports(
+                self.model
+            )
+        decode_only = getattr(attn_metadata, "num_decode_tokens", -1) == num_tokens
+        if not (self._plan_support and decode_only and num_tokens <= DECODE_PLAN_ROWS):
+            return None
+        plan = self._decode_plans.get(num_tokens)
+        if plan is None or not plan.current():
+            max_blocks = cdiv(self.model_config.max_model_len, self.block_size)
+            plan = self._decode_plans[num_tokens] = LlamaDecodePlan(
+                self.model, num_tokens, max_blocks
+            )
+        return plan
 
     def _sample(
         self,

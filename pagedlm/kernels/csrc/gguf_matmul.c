@@ -151,23 +151,24 @@ int gguf_vnni_compiled(void) {
 #endif
 }
 
-// Row m of y (bf16 or fp32) at columns n0 .. n0 + cols - 1: v + bias.
-static void store_out(void* y, const void* bias, int64_t m, int64_t N, int64_t n0, int cols,
+// Row m of y (bf16 or fp32; rows ldy apart) at columns n0 .. n0 + cols - 1: v + bias.
+static void store_out(void* y, int64_t ldy, const void* bias, int64_t m, int64_t n0, int cols,
                       float* v, int bf16) {
   float bv[TILE] = {0};
   if (bias != NULL) load_row(bias, n0, cols, bf16, bv);
   for (int r = 0; r < cols; r++) v[r] += bv[r];
-  store_row(y, m * N + n0, cols, bf16, v);
+  store_row(y, m * ldy + n0, cols, bf16, v);
 }
 
-// y [M, N] (bf16 or fp32, as x) = x W^T (+ bias, in x's dtype). isa: 1 = AVX-512 VNNI,
+// y [M, N] (bf16 or fp32, as x; rows ldy >= N elements apart, so that a caller can write into
+// columns of a wider output) = x W^T (+ bias, in x's dtype). isa: 1 = AVX-512 VNNI,
 // 0 = portable. Returns 1 if computed; 0 for bad arguments, an ISA not compiled in, or out of
 // memory.
 int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const float* scales,
-              const float* mins, const void* bias, void* y, int64_t M, int64_t N, int64_t K,
-              int bits, int group, int offset, int bf16, int isa, int num_threads) {
+              const float* mins, const void* bias, void* y, int64_t ldy, int64_t M, int64_t N,
+              int64_t K, int bits, int group, int offset, int bf16, int isa, int num_threads) {
   const QWeight w = {qs, qh, scales, mins, N, K, bits, group, offset};
-  if (!valid(&w) || M < 1) return 0;
+  if (!valid(&w) || M < 1 || ldy < N) return 0;
 #ifndef PAGEDLM_VNNI
   if (isa == 1) return 0;
 #endif
@@ -208,7 +209,7 @@ int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const float* 
           } else
 #endif
             tile_dots_portable(&w, q, t, &a, m0, mt, out);
-          for (int j = 0; j < mt; j++) store_out(y, bias, m0 + j, N, t * TILE, cols, out[j], bf16);
+          for (int j = 0; j < mt; j++) store_out(y, ldy, bias, m0 + j, t * TILE, cols, out[j], bf16);
         }
       }
     }

@@ -1,0 +1,289 @@
+"""A small decode step of a Llama-family model (Llama, Qwen2) as a flat list of prepared C
+kernel calls over persistent buffers.
+
+The modules' forward spends ~0.3 ms of Python per layer on a decode step (module calls,
+argument checks, small tensor allocations), a third of a batch-1 step with packed GGUF
+weights. The plan makes the same kernel calls, in the same order, on the same values, so its
+hidden states equal the modules' bit for bit; its arguments are checked once, when it is
+built. vLLM's CUDA graphs play this part on GPUs.
+
+It applies (`LlamaDecodePlan.supports`) when every linear keeps packed GGUF weights (their
+GEMV writes straight into columns of the fused outputs), the C kernels and the C attention
+backend run, the KV cache is in the model's dtype and tensor parallelism is off. The model
+runner uses it for decode-only steps of up to GEMV_ROWS sequences without LoRA or speculative
+decoding. A plan keeps the tensors it was built from; `current()` is False once any of them
+was replaced (weights reloaded, KV cache re-allocated after sleep), and the runner rebuilds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pagedlm.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
+from pagedlm.distributed import get_tp_group
+from pagedlm.kernels import cpu as kc
+from pagedlm.kernels import gguf as kg
+from pagedlm.kernels.cpu_attention import _check_paged_inputs
+from pagedlm.layers.activation import SiluAndMul
+from pagedlm.layers.attention import Attention
+from pagedlm.layers.layernorm import RMSNorm
+from pagedlm.layers.quantization.gguf import GEMV_ROWS, GGUFLinearMethod
+from pagedlm.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
+
+MAX_ROWS = GEMV_ROWS
+
+# How a call reports success: C kernels return 1 (0: out of memory), the attention kernel 0;
+# torch methods return tensors.
+_OK_NONZERO, _OK_ZERO, _NO_STATUS = 1, 0, None
+
+
+class LlamaDecodePlan:
+    """The decode step of `model` for exactly `rows` sequences (see the module docstring)."""
+
+    def __init__(self, model: LlamaForCausalLM, rows: int, max_blocks: int) -> None:
+        lib = kc.cpu_kernels()
+        assert lib is not None and self.supports(model) and 1 <= rows <= MAX_ROWS
+        inner = model.model
+        self.model, self.rows = model, rows
+        self._sources = self._source_tensors(model)
+        first = inner.layers[0]
+        attn0: LlamaAttention = first.self_attn
+        self.dtype = first.input_layernorm.weight.dtype
+        hidden = first.input_layernorm.weight.shape[0]
+        self._bf16 = kc.is_bf16(torch.empty(0, dtype=self.dtype))
+        self._threads = torch.get_num_threads()
+
+        def new(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype)
+
+        # per-step inputs, copied in by run()
+        self.positions = new(rows, dtype=torch.int64)
+        self.slots = new(rows, dtype=torch.int64)
+        self.block_table = new(rows, max_blocks, dtype=torch.int64)
+        self.seq_lens = new(rows, dtype=torch.int64)
+        # activations
+        q_size, kv_size = attn0.q_size, attn0.kv_size
+        self.residual, self.x, self.h = new(rows, hidden), new(rows, hidden), new(rows, hidden)
+        self.qkv = new(rows, q_size + 2 * kv_size)
+        self.query = new(rows, attn0.num_heads, attn0.head_dim)  # contiguous q (rows > 1)
+        self.attn_out = new(rows, q_size)
+        self.o = new(rows, hidden)
+        inter = first.mlp.down_proj.input_size
+        self.gate_up, self.act = new(rows, 2 * inter), new(rows, inter)
+        self.out = new(rows, hidden)
+        self.calls: list[tuple[Callable, tuple, int | None]] = []  # (fn, args, status kind)
+        self._biases: list[torch.Tensor] = []  # dtype copies whose pointers the calls hold
+        for i, layer in enumerate(inner.layers):
+            self._layer(lib, layer, first_layer=i == 0)
+        self._norm(lib, inner.norm, self.x, self.residual, self.out)
+
+    # ------------------------------------------------------------------------ eligibility
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Whether `model` has exactly the structure and kernels the plan replays."""
+        if not isinstance(model, LlamaForCausalLM) or kc.cpu_kernels() is None:
+            return False
+        if get_tp_group().world_size != 1 or kg.gguf_isa() is None:
+            return False
+        if not isinstance(Attention.backend, TorchSDPABackend) or Attention.backend.kernels is None:
+            return False
+        inner = model.model
+        if type(inner).forward is not LlamaModel.forward:
+            return False
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(layer).forward is not LlamaDecoderLayer.forward:
+                return False
+            if type(attn).forward is not LlamaAttention.forward or attn.use_qk_norm:
+                return False
+            if type(mlp).forward is not LlamaMLP.forward or type(mlp.act_fn) is not SiluAndMul:
+                return False
+            if attn.attn.attn_type != "decoder":
+                return False
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if not isinstance(linear.quant_method, GGUFLinearMethod):
+                    return False
+                if any(g.packed is None for g in linear.gguf_groups):
+                    return False
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(type(norm) is not RMSNorm for norm in norms):
+                return False
+        dtype = inner.layers[0].input_layernorm.weight.dtype
+        caches_ok = all(layer.self_attn.attn.kv_cache.dtype == dtype for layer in inner.layers)
+        return dtype in (torch.bfloat16, torch.float32) and caches_ok
+
+    @staticmethod
+    def _source_tensors(model: LlamaForCausalLM) -> list:
+        """Everything the plan's pointers come from, to notice replacements."""
+        out: list = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            out += [attn.attn.kv_cache, attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                out += [linear.gguf_groups, getattr(linear, "bias", None)]
+                out += [g.packed for g in linear.gguf_groups]
+        return [*out, model.model.norm.weight]
+
+    def current(self) -> bool:
+        """False once a tensor the plan was built from has been replaced."""
+        return all(a is b for a, b in zip(self._sources, self._source_tensors(self.model)))
+
+    # --------------------------------------------------------------------------- building
+
+    def _norm(self, lib, norm: RMSNorm, x, residual, out) -> None:
+        fn = "rms_norm"
+        hidden = x.shape[1]
+        self.calls.append(
+            (
+                lib.rms_norm,
+                (
+                    kc.checked(fn, "x", x, self.dtype),
+                    None if residual is None else kc.checked(fn, "residual", residual, self.dtype),
+                    kc.checked(fn, "weight", norm.weight, self.dtype, (hidden,)),
+                    kc.checked(fn, "out", out, self.dtype, tuple(x.shape)),
+                    self.rows,
+                    hidden,
+                    norm.eps,
+                    norm.offset,
+                    self._bf16,
+                    self._threads,
+                ),
+                _OK_NONZERO,
+            )
+        )
+
+    def _linear(self, lib, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y = linear(x): one GEMV per packed group, into its columns of y."""
+        bias = getattr(linear, "bias", None)
+        for g in linear.gguf_groups:
+            b = None if bias is None else bias[g.offset : g.offset + g.rows].to(self.dtype)
+            if b is not None:
+                self._biases.append(b)
+            columns = y[:, g.offset : g.offset + g.rows]
+            _, args = kg._matmul_args("gguf_gemv", x, g.packed, b, columns)
+            isa = kg._ISA_CODES[kg.gguf_isa()]
+            call_args = (*args[:7], y.stride(0), *args[7:], isa, self._threads)
+            self.calls.append((lib.gguf_gemv, call_args, _OK_NONZERO))
+
+    def _layer(self, lib, layer: LlamaDecoderLayer, first_layer: bool) -> None:
+        attn, mlp, rows = layer.self_attn, layer.mlp, self.rows
+        if first_layer:  # the embedding is in `residual`: norm it alone (residual stays)
+            self._norm(lib, layer.input_layernorm, self.residual, None, self.h)
+        else:
+            self._norm(lib, layer.input_layernorm, self.x, self.residual, self.h)
+        self._linear(lib, attn.qkv_proj, self.h, self.qkv)
+        q = self.qkv[:, : attn.q_size]
+        k = self.qkv[:, attn.q_size : attn.q_size + attn.kv_size]
+        v = self.qkv[:, attn.q_size + attn.kv_size :]
+        rope = attn.rotary_emb
+        self.calls.append(
+            (
+                lib.rotary_embedding,
+                (
+                    q.data_ptr(),
+                    k.data_ptr(),
+                    self.positions.data_ptr(),
+                    kc.checked("rotary_embedding", "cos_cache", rope.cos_cache, torch.float32),
+                    kc.checked("rotary_embedding", "sin_cache", rope.sin_cache, torch.float32),
+                    rows,
+                    attn.num_heads,
+                    attn.num_kv_heads,
+                    q.stride(0),
+                    k.stride(0),
+                    attn.head_dim,
+                    rope.cos_cache.shape[1],
+                    self._bf16,
+                    self._threads,
+                ),
+                _OK_NONZERO,
+            )
+        )
+        layer_attn = attn.attn
+        k_cache, v_cache = layer_attn.kv_cache[0], layer_attn.kv_cache[1]
+        num_blocks, block_size, kv_heads, head_size = k_cache.shape
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            flat = cache.view(-1, kv_heads, head_size)
+            source = new.view(rows, kv_heads, head_size)
+            self.calls.append((flat.index_copy_, (0, self.slots, source), _NO_STATUS))
+        query = q.view(rows, attn.num_heads, attn.head_dim)
+        if rows > 1:  # the kernel reads contiguous queries
+            self.calls.append((self.query.copy_, (query,), _NO_STATUS))
+            query = self.query
+        kind = _check_paged_inputs(query, k_cache, v_cache, self.block_table)
+        self.calls.append(
+            (
+                lib.paged_decode_attention,
+                (
+                    query.data_ptr(),
+                    k_cache.data_ptr(),
+                    v_cache.data_ptr(),
+                    self.block_table.data_ptr(),
+                    self.block_table.shape[1],
+                    self.seq_lens.data_ptr(),
+                    self.attn_out.data_ptr(),
+                    rows,
+                    attn.num_heads,
+                    kv_heads,
+                    head_size,
+                    block_size,
+                    layer_attn.scale,
+                    layer_attn.sliding_window or 0,
+                    self._bf16,
+                    kind,
+                    layer_attn.k_scale,
+                    layer_attn.v_scale,
+                    0,
+                    self._threads,
+                ),
+                _OK_ZERO,
+            )
+        )
+        self._linear(lib, attn.o_proj, self.attn_out, self.o)
+        self._norm(lib, layer.post_attention_layernorm, self.o, self.residual, self.h)
+        self._linear(lib, mlp.gate_up_proj, self.h, self.gate_up)
+        inter = self.act.shape[1]
+        self.calls.append(
+            (
+                lib.silu_and_mul,
+                (
+                    self.gate_up.data_ptr(),
+                    self.act.data_ptr(),
+                    rows,
+                    inter,
+                    self._bf16,
+                    self._threads,
+                ),
+                _OK_NONZERO,
+            )
+        )
+        self._linear(lib, mlp.down_proj, self.act, self.x)
+
+    # ---------------------------------------------------------------------------- running
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: SDPAMetadata
+    ) -> torch.Tensor:
+        """Hidden states [rows, hidden] after the final norm (a buffer the next run reuses)."""
+        assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None
+        self.positions.copy_(positions)
+        self.slots.copy_(metadata.slot_mapping)
+        table = metadata.decode_block_table
+        self.block_table[:, : table.shape[1]].copy_(table)
+        self.seq_lens.copy_(metadata.decode_seq_lens)
+        self.residual.copy_(self.model.model.embed_tokens(input_ids))
+        for fn, args, ok in self.calls:
+            status = fn(*args)
+            if ok is not None and (status != 0) != (ok == _OK_NONZERO):
+                raise MemoryError(f"decode plan: C kernel {fn.__name__} ran out of memory")
+        return self.out
