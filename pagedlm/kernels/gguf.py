@@ -56,14 +56,20 @@ def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
     if (w.qh is None) != (w.bits not in (5, 6)):
         raise ValueError(f"{fn}: {w.bits}-bit weights {'need' if w.qh is None else 'take no'} qh")
     scale_shape = (tiles, subs, TILE_ROWS)
+    scales = checked(fn, "scales", w.scales, (torch.float16, torch.float32), scale_shape)
     return (
         checked(fn, "qs", w.qs, torch.uint8, (tiles, quads, 64)),
         None
         if w.qh is None
         else checked(fn, "qh", w.qh, torch.uint8, (tiles, k // 8, 16 * (w.bits - 4))),
-        checked(fn, "scales", w.scales, torch.float32, scale_shape),
-        None if w.mins is None else checked(fn, "mins", w.mins, torch.float32, scale_shape),
+        scales,
+        None if w.mins is None else checked(fn, "mins", w.mins, w.scales.dtype, scale_shape),
     )
+
+
+def _layout(w: PackedGGUFWeight) -> tuple[int, int, int, int]:
+    """(bits, group, offset, half): the layout arguments every kernel takes."""
+    return w.bits, w.group, w.offset, int(w.scales.dtype == torch.float16)
 
 
 def _matmul_args(
@@ -74,7 +80,7 @@ def _matmul_args(
     out: torch.Tensor | None = None,
 ):
     """(y, the checked arguments both kernels take first: x, qs, qh, scales, mins, bias, y, M,
-    N, K, bits, group, offset, bf16). `out`: y given, [M, N] with contiguous rows."""
+    N, K, bits, group, offset, half, bf16). `out`: y given, [M, N] with contiguous rows."""
     n, k = w.shape
     x = x.contiguous()
     m = x.shape[0]
@@ -91,17 +97,15 @@ def _matmul_args(
         m,
         n,
         k,
-        w.bits,
-        w.group,
-        w.offset,
+        *_layout(w),
         int(x.dtype == torch.bfloat16),
     )
     return y, args
 
 
-# x, qs, qh, scales, mins, bias, y, ldy, M, N, K, bits, group, offset, bf16, isa, num_threads
-# -> 1 if computed (0: bad layout, ISA not compiled in, or out of memory)
-declare("gguf_gemv", [_ptr] * 7 + [_i64] * 4 + [_int] * 6, _int)
+# x, qs, qh, scales, mins, bias, y, ldy, M, N, K, bits, group, offset, half, bf16, isa,
+# num_threads -> 1 if computed (0: bad layout, ISA not compiled in, or out of memory)
+declare("gguf_gemv", [_ptr] * 7 + [_i64] * 4 + [_int] * 7, _int)
 _ISA_CODES = {"avx512_vnni": 1, "portable": 0}
 
 
@@ -127,9 +131,9 @@ def gguf_gemv(
 
 
 declare("gguf_gemm_compiled", [], _int)
-# x, qs, qh, scales, mins, bias, y, M, N, K, bits, group, offset, bf16, num_threads
+# x, qs, qh, scales, mins, bias, y, M, N, K, bits, group, offset, half, bf16, num_threads
 # -> 1 if computed (0: bad layout, no AVX-512 VNNI compiled in, or out of memory)
-declare("gguf_gemm", [_ptr] * 7 + [_i64] * 3 + [_int] * 5, _int)
+declare("gguf_gemm", [_ptr] * 7 + [_i64] * 3 + [_int] * 6, _int)
 
 
 def gguf_gemm(
@@ -146,10 +150,11 @@ def gguf_gemm(
     return y
 
 
-# qs, qh, scales, mins, N, K, bits, group, offset, n0, n1, out, bf16, num_threads -> 1 if done
+# qs, qh, scales, mins, N, K, bits, group, offset, half, n0, n1, out, bf16, num_threads
+# -> 1 if done
 declare(
     "gguf_dequantize_rows",
-    [_ptr] * 4 + [_i64] * 2 + [_int] * 3 + [_i64] * 2 + [_ptr, _int, _int],
+    [_ptr] * 4 + [_i64] * 2 + [_int] * 4 + [_i64] * 2 + [_ptr, _int, _int],
     _int,
 )
 
@@ -167,10 +172,9 @@ def gguf_dequantize_rows(
     out = torch.empty(n1 - n0, k, dtype=dtype)
     out_ptr = checked("gguf_dequantize_rows", "out", out, _FLOATS)
     args = _weight_args("gguf_dequantize_rows", w)
-    lay = (w.bits, w.group, w.offset)
     bf16 = int(dtype == torch.bfloat16)
     if not lib.gguf_dequantize_rows(
-        *args, n, k, *lay, n0, n1, out_ptr, bf16, torch.get_num_threads()
+        *args, n, k, *_layout(w), n0, n1, out_ptr, bf16, torch.get_num_threads()
     ):
         raise MemoryError("gguf_dequantize_rows: out of memory")
     return out

@@ -173,7 +173,7 @@ def test_quantized_gemv_bf16_rounds_once(t) -> None:
 @needs_kernels
 def test_kernel_boundary_rejects_wrong_dtypes_and_shapes() -> None:
     w, x, bias = _case(T.Q5_0, 2, 16, 128)
-    with pytest.raises(TypeError, match="scales must be torch.float32"):
+    with pytest.raises(TypeError, match="scales must be torch.float16 or torch.float32"):
         w.scales = w.scales.double()
         kg.gguf_gemv(x, w, None)
     w, x, bias = _case(T.Q5_0, 2, 16, 128)

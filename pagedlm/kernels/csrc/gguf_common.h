@@ -16,11 +16,40 @@
 typedef struct {
   const uint8_t* qs;     // [T][K / 4][64] bytes (8 bits), or [T][K / 8][64] nibble pairs
   const uint8_t* qh;     // [T][K / 8][16 * (bits - 4)] bit masks (5 and 6 bits), else NULL
-  const float* scales;   // [T][K / G][16]
-  const float* mins;     // [T][K / G][16] or NULL
+  const void* scales;    // [T][K / G][16], fp16 (half) or fp32
+  const void* mins;      // [T][K / G][16] like scales, or NULL
   int64_t N, K;          // rows (T = ceil(N / 16) tiles), columns
   int bits, group, offset;
+  int half;              // scales and mins are fp16 (the GGUF types whose block scale is one)
 } QWeight;
+
+// IEEE half -> float, exactly (subnormals, infinities and NaNs included).
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 31, man = h & 1023, bits;
+  if (exp == 0 && man == 0) {
+    bits = sign;
+  } else if (exp == 0) {  // subnormal: normalize the mantissa
+    exp = 127 - 15 + 1;
+    while ((man & 1024) == 0) {
+      man <<= 1;
+      exp--;
+    }
+    bits = sign | (exp << 23) | ((man & 1023) << 13);
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Element i of a scales/mins array of w.
+static inline float scale_at(const QWeight* w, const void* v, int64_t i) {
+  return w->half ? half_to_float(((const uint16_t*)v)[i]) : ((const float*)v)[i];
+}
 
 static inline int64_t num_tiles(const QWeight* w) { return (w->N + TILE - 1) / TILE; }
 
@@ -131,6 +160,13 @@ static inline void quantize_act_row(const void* x, int64_t m, const QWeight* w, 
 }
 
 #ifdef PAGEDLM_VNNI
+// 16 scales (or mins) from element `at` (HALF a compile-time constant at every call site).
+static inline __attribute__((always_inline)) __m512 load_scales16(const void* v, int64_t at,
+                                                                  const int HALF) {
+  if (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)v + at)));
+  return _mm512_loadu_ps((const float*)v + at);
+}
+
 // The VNNI vectors of k-quads 2s and 2s + 1 of tile t (BITS a compile-time constant at every
 // call site): 16 rows x 4 unsigned bytes each.
 static inline __attribute__((always_inline)) void kquad_pair(const QWeight* w, int64_t t,

@@ -52,8 +52,8 @@ class PackedGGUFWeight:
 
     qs: torch.Tensor  # uint8 [T, K/4, 64] (8 bits) or [T, K/8, 64]
     qh: torch.Tensor | None  # uint8 [T, K/8, 16 * (bits - 4)] for 5/6 bits
-    scales: torch.Tensor  # fp32 [T, K/G, 16]
-    mins: torch.Tensor | None  # fp32 [T, K/G, 16]
+    scales: torch.Tensor  # fp16 or fp32 (by type, table above) [T, K/G, 16]
+    mins: torch.Tensor | None  # as scales
     bits: int
     group: int
     offset: int
@@ -69,9 +69,9 @@ class PackedGGUFWeight:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def row_values(self, name: str) -> torch.Tensor | None:
-        """`scales` or `mins` per row, [n, K/G]."""
+        """`scales` or `mins` per row as fp32, [n, K/G]."""
         v = getattr(self, name)
-        return None if v is None else v.transpose(1, 2).reshape(-1, v.shape[1])[: self.n]
+        return None if v is None else v.float().transpose(1, 2).reshape(-1, v.shape[1])[: self.n]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -146,16 +146,18 @@ def _q6_k(b):
     return q, scale, None
 
 
-# type -> (decoder, bits, G, offset)
+# type -> (decoder, bits, G, offset, scale dtype): fp16 where the block's scale (and min) is
+# one fp16 field, exactly; fp32 for the K-quants' d * sub-scale products
+_F16, _F32 = torch.float16, torch.float32
 _TYPES = {
-    _T.Q8_0: (_q8_0, 8, 32, 128),
-    _T.Q4_0: (_q4_0, 4, 32, 8),
-    _T.Q5_0: (_q5_0, 5, 32, 16),
-    _T.Q4_1: (_q4_1, 4, 32, 0),
-    _T.Q5_1: (_q5_1, 5, 32, 0),
-    _T.Q4_K: (lambda b: _q45_k(b, False), 4, 32, 0),
-    _T.Q5_K: (lambda b: _q45_k(b, True), 5, 32, 0),
-    _T.Q6_K: (_q6_k, 6, 16, 32),
+    _T.Q8_0: (_q8_0, 8, 32, 128, _F16),
+    _T.Q4_0: (_q4_0, 4, 32, 8, _F16),
+    _T.Q5_0: (_q5_0, 5, 32, 16, _F16),
+    _T.Q4_1: (_q4_1, 4, 32, 0, _F16),
+    _T.Q5_1: (_q5_1, 5, 32, 0, _F16),
+    _T.Q4_K: (lambda b: _q45_k(b, False), 4, 32, 0, _F32),
+    _T.Q5_K: (lambda b: _q45_k(b, True), 5, 32, 0, _F32),
+    _T.Q6_K: (_q6_k, 6, 16, 32, _F32),
 }
 PACKABLE_TYPES = frozenset(_TYPES)
 
@@ -198,7 +200,7 @@ def pack_gguf(
     t = _T(int(ggml_type))
     if not can_pack(t, shape):
         raise ValueError(f"{t.name} tensor of shape {tuple(shape)} cannot be packed (K % 64)")
-    decode, bits, group, offset = _TYPES[t]
+    decode, bits, group, offset, scale_dtype = _TYPES[t]
     n, k = shape
     block, type_size = GGML_QUANT_SIZES[t]
     data = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(raw))
@@ -210,7 +212,7 @@ def pack_gguf(
     quads = k // 4 if bits == 8 else k // 8
     qs = torch.zeros(tiles, quads, 64, dtype=torch.uint8)
     qh = torch.zeros(tiles, k // 8, 16 * (bits - 4), dtype=torch.uint8) if bits in (5, 6) else None
-    scales = torch.zeros(tiles, k // group, TILE_ROWS)
+    scales = torch.zeros(tiles, k // group, TILE_ROWS, dtype=scale_dtype)
     mins = None
     step = max(1, _ROW_CHUNK_VALUES // k // TILE_ROWS) * TILE_ROWS
     for r0 in range(0, n, step):
@@ -224,7 +226,7 @@ def pack_gguf(
         scales[t0:t1] = _row_tiles(sc.reshape(r1 - r0, -1), rows)
         if mn is not None:
             if mins is None:
-                mins = torch.zeros(tiles, k // group, TILE_ROWS)
+                mins = torch.zeros(tiles, k // group, TILE_ROWS, dtype=scale_dtype)
             mins[t0:t1] = _row_tiles(mn.reshape(r1 - r0, -1), rows)
     return PackedGGUFWeight(qs, qh, scales, mins, bits, group, offset, int(t), n)
 
