@@ -54,7 +54,7 @@ class LlamaDecodePlan:
         assert lib is not None and self.supports(model) and 1 <= rows <= MAX_ROWS
         inner = model.model
         self.model, self.rows = model, rows
-        self._sources = self._source_tensors(model)
+        self._watched = self._sources(model)
         first = inner.layers[0]
         attn0: LlamaAttention = first.self_attn
         self.dtype = first.input_layernorm.weight.dtype
@@ -118,26 +118,48 @@ class LlamaDecodePlan:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(type(norm) is not RMSNorm for norm in norms):
                 return False
-        dtype = inner.layers[0].input_layernorm.weight.dtype
-        caches_ok = all(layer.self_attn.attn.kv_cache.dtype == dtype for layer in inner.layers)
-        return dtype in (torch.bfloat16, torch.float32) and caches_ok
+        # one dtype for activations, norms and KV caches: the modules' C paths then run
+        dtype = inner.embed_tokens.weight.dtype
+        alike = [inner.norm.weight]
+        for layer in inner.layers:
+            alike += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            alike.append(layer.self_attn.attn.kv_cache)
+        same = all(t is not None and t.dtype == dtype for t in alike)
+        return dtype in (torch.bfloat16, torch.float32) and same
 
     @staticmethod
-    def _source_tensors(model: LlamaForCausalLM) -> list:
-        """Everything the plan's pointers come from, to notice replacements."""
-        out: list = []
+    def _sources(model: LlamaForCausalLM) -> list[tuple[dict, str, object, int]]:
+        """(namespace, name, value, data pointer) of everything the plan's pointers come from:
+        parameters (whose `.data` a weight update may swap), the packed groups, KV caches,
+        RoPE tables; read through the namespaces directly, so `current()` costs microseconds."""
+        out: list[tuple[dict, str, object, int]] = []
+
+        def watch(ns: dict, *names: str) -> None:
+            for name in names:
+                v = ns.get(name)
+                out.append((ns, name, v, v.data_ptr() if isinstance(v, nn.Parameter) else 0))
+
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            out += [attn.attn.kv_cache, attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache]
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                watch(norm._parameters, "weight")
+            watch(attn.attn.__dict__, "kv_cache")
+            watch(attn.rotary_emb._buffers, "cos_cache", "sin_cache")
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                out += [linear.gguf_groups, getattr(linear, "bias", None)]
-                out += [g.packed for g in linear.gguf_groups]
-        return [*out, model.model.norm.weight]
+                watch(linear.__dict__, "gguf_groups")
+                watch(linear._parameters, "bias")
+                for group in linear.gguf_groups:
+                    watch(group.__dict__, "packed")
+        watch(model.model.norm._parameters, "weight")
+        return out
 
     def current(self) -> bool:
-        """False once a tensor the plan was built from has been replaced."""
-        return all(a is b for a, b in zip(self._sources, self._source_tensors(self.model)))
+        """False once a tensor the plan was built from has been replaced (or a parameter's
+        data swapped)."""
+        return all(
+            ns.get(name) is v and (not ptr or v.data_ptr() == ptr)  # type: ignore[union-attr]
+            for ns, name, v, ptr in self._watched
+        )
 
     # --------------------------------------------------------------------------- building
 

@@ -1,0 +1,107 @@
+"""The decode plan (models/llama_decode_plan.py) replays the modules' own kernel calls, so a
+generation with it equals one without it bit for bit: same tokens, same logprobs. Checked on a
+tiny llama GGUF whose projections are all packed (mixed types, fused q/k/v of two types), for
+1 to 3 sequences per step; the plan notices replaced tensors; other models run the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.models.llama_decode_plan import LlamaDecodePlan
+from tests.e2e.test_quantized_models import mixed_gguf  # noqa: F401 (fixture)
+from tests.e2e.test_tensor_parallel import _prompts
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _runner(llm: LLM):
+    return llm.llm_engine.model_executor.driver_worker.model_runner
+
+
+def _generate(model, tokenizer, max_num_seqs: int, dtype: str) -> list:
+    llm = LLM(
+        str(model),
+        tokenizer=str(tokenizer),
+        max_model_len=128,
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+    )
+    try:
+        prompts = [{"prompt_token_ids": p} for p in _prompts()]
+        outs = [o.outputs[0] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+    logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs] for o in outs]
+    return [(o.token_ids, lps) for o, lps in zip(outs, logprobs)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_decode_plan_equals_modules(
+    tiny_llama,
+    mixed_gguf,  # noqa: F811
+    monkeypatch,
+    max_num_seqs,
+    dtype,
+) -> None:
+    rows_seen: list[int] = []
+    run = LlamaDecodePlan.run
+
+    def counting_run(self, *args):
+        rows_seen.append(self.rows)
+        return run(self, *args)
+
+    monkeypatch.setattr(LlamaDecodePlan, "run", counting_run)
+    with_plan = _generate(mixed_gguf, tiny_llama, max_num_seqs, dtype)
+    assert rows_seen and max(rows_seen) == max_num_seqs  # the plan ran, at every batch size
+    rows_seen.clear()
+    monkeypatch.setenv("PAGEDLM_DISABLE_DECODE_PLAN", "1")
+    without = _generate(mixed_gguf, tiny_llama, max_num_seqs, dtype)
+    assert not rows_seen
+    assert with_plan == without
+
+
+def test_decode_plan_notices_replaced_tensors(tiny_llama, mixed_gguf) -> None:  # noqa: F811
+    llm = LLM(str(mixed_gguf), tokenizer=str(tiny_llama), max_model_len=128, max_num_seqs=1)
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
+        runner = _runner(llm)
+        plan = runner._decode_plans[1]
+        assert plan.current()
+        layer = runner.model.model.layers[1]
+        attn = layer.self_attn.attn
+        cache = attn.kv_cache
+        attn.kv_cache = cache.clone()  # as a re-allocation after sleep would
+        assert not plan.current()
+        attn.kv_cache = cache
+        assert plan.current()
+        norm = layer.post_attention_layernorm
+        weight = norm.weight.data
+        norm.weight.data = weight.clone()  # the same Parameter, new storage
+        assert not plan.current()
+        norm.weight.data = weight
+        assert plan.current()
+        norm.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        assert not plan.current()
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
+        assert runner._decode_plans[1] is not plan and runner._decode_plans[1].current()
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_models_without_packed_weights_run_the_modules(
+    tiny_llama,
+    mixed_gguf,  # noqa: F811
+    monkeypatch,
+) -> None:
+    for model, env in ((tiny_llama, "0"), (mixed_gguf, "1")):  # dense checkpoint; dequantized
+        monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", env)
+        llm = LLM(str(model), tokenizer=str(tiny_llama), max_model_len=128, max_num_seqs=1)
+        try:
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
+            runner = _runner(llm)
+            assert not LlamaDecodePlan.supports(runner.model) and not runner._decode_plans
+        finally:
+            llm.llm_engine.shutdown()
