@@ -2,17 +2,19 @@
 kernel calls over persistent buffers.
 
 The modules' forward spends ~0.3 ms of Python per layer on a decode step (module calls,
-argument checks, small tensor allocations), a third of a batch-1 step with packed GGUF
-weights. The plan makes the same kernel calls, in the same order, on the same values, so its
-hidden states equal the modules' bit for bit; its arguments are checked once, when it is
-built. vLLM's CUDA graphs play this part on GPUs.
+argument checks, small tensor allocations): a third of a batch-1 step with packed GGUF
+weights, a fifth with bf16 ones. The plan makes the same kernel calls, in the same order, on
+the same values, so its hidden states equal the modules' bit for bit; its arguments are
+checked once, when it is built. vLLM's CUDA graphs play this part on GPUs.
 
-It applies (`LlamaDecodePlan.supports`) when every linear keeps packed GGUF weights (their
-GEMV writes straight into columns of the fused outputs), the C kernels and the C attention
-backend run, the KV cache is in the model's dtype and tensor parallelism is off. The model
-runner uses it for decode-only steps of up to GEMV_ROWS sequences without LoRA or speculative
-decoding. A plan keeps the tensors it was built from; `current()` is False once any of them
-was replaced (weights reloaded, KV cache re-allocated after sleep), and the runner rebuilds it.
+It applies (`LlamaDecodePlan.supports`) when every linear runs a kernel the plan replays
+(`_linear_kind`: packed GGUF groups, whose GEMV writes straight into columns of the fused
+outputs, or bf16 weights blocked for the AVX-512 BF16 small-batch kernel), the C attention
+backend runs, one dtype holds activations, norms and the KV cache, and tensor parallelism is
+off. The model runner uses it for decode-only steps of up to MAX_ROWS sequences without LoRA
+adapters or speculative decoding. A plan keeps the tensors it was built from; `current()` is
+False once any of them was replaced (weights reloaded, KV cache re-allocated after sleep), and
+the runner builds a new one. PAGEDLM_DISABLE_DECODE_PLAN=1 turns it off.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pagedlm.kernels.cpu_attention import _check_paged_inputs
 from pagedlm.layers.activation import SiluAndMul
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.layernorm import RMSNorm
+from pagedlm.layers.quantization.base import UnquantizedLinearMethod
 from pagedlm.layers.quantization.gguf import GEMV_ROWS, GGUFLinearMethod
 from pagedlm.models.llama import (
     LlamaAttention,
@@ -44,6 +47,24 @@ MAX_ROWS = GEMV_ROWS
 # How a call reports success: C kernels return 1 (0: out of memory), the attention kernel 0;
 # torch methods return tensors.
 _OK_NONZERO, _OK_ZERO, _NO_STATUS = 1, 0, None
+
+
+def _linear_kind(linear: nn.Module) -> str | None:
+    """ "gguf": every group packed (the integer GEMV runs); "blocked": a bf16 weight in the
+    AVX-512 BF16 small-batch layout next to its prepacked copy (the module path's
+    `gemv_bf16_blocked`); None: a path the plan does not replay."""
+    method = linear.quant_method
+    if isinstance(method, GGUFLinearMethod):
+        return "gguf" if all(g.packed is not None for g in linear.gguf_groups) else None
+    w, bias = linear.weight, linear.bias
+    blocked = (
+        isinstance(method, UnquantizedLinearMethod)
+        and linear.packed_weight is not None
+        and w.dim() == 4
+        and w.dtype == torch.bfloat16
+        and (bias is None or bias.dtype == torch.bfloat16)
+    )
+    return "blocked" if blocked else None
 
 
 class LlamaDecodePlan:
@@ -110,11 +131,9 @@ class LlamaDecodePlan:
                 return False
             if attn.attn.attn_type != "decoder":
                 return False
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if not isinstance(linear.quant_method, GGUFLinearMethod):
-                    return False
-                if any(g.packed is None for g in linear.gguf_groups):
-                    return False
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(_linear_kind(linear) for linear in linears):
+                return False
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(type(norm) is not RMSNorm for norm in norms):
                 return False
@@ -146,9 +165,9 @@ class LlamaDecodePlan:
             watch(attn.attn.__dict__, "kv_cache")
             watch(attn.rotary_emb._buffers, "cos_cache", "sin_cache")
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                watch(linear.__dict__, "gguf_groups")
-                watch(linear._parameters, "bias")
-                for group in linear.gguf_groups:
+                watch(linear._parameters, "weight", "bias")
+                watch(linear.__dict__, "quant_method", "gguf_groups", "packed_weight")
+                for group in linear.__dict__.get("gguf_groups", ()):
                     watch(group.__dict__, "packed")
         watch(model.model.norm._parameters, "weight")
         return out
@@ -186,8 +205,24 @@ class LlamaDecodePlan:
         )
 
     def _linear(self, lib, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y = linear(x): one GEMV per packed group, into its columns of y."""
-        bias = getattr(linear, "bias", None)
+        """y = linear(x) as the layer's method computes it for these rows: one GEMV per packed
+        GGUF group, into its columns of y; or the AVX-512 BF16 kernel on a blocked weight."""
+        bias = linear.bias
+        if _linear_kind(linear) == "blocked":
+            fn, w = "small_batch_linear (blocked)", linear.weight
+            nblk, kp = w.shape[:2]
+            args = (
+                kc.checked(fn, "x", x, torch.bfloat16, (self.rows, 2 * kp)),
+                kc.checked(fn, "weight", w, torch.bfloat16),
+                None if bias is None else kc.checked(fn, "bias", bias, torch.bfloat16),
+                kc.checked(fn, "y", y, torch.bfloat16, (self.rows, 16 * nblk)),
+                self.rows,
+                nblk,
+                kp,
+                self._threads,
+            )
+            self.calls.append((lib.gemv_bf16_blocked, args, _OK_NONZERO))
+            return
         for g in linear.gguf_groups:
             b = None if bias is None else bias[g.offset : g.offset + g.rows].to(self.dtype)
             if b is not None:

@@ -1,7 +1,8 @@
 """The decode plan (models/llama_decode_plan.py) replays the modules' own kernel calls, so a
 generation with it equals one without it bit for bit: same tokens, same logprobs. Checked on a
-tiny llama GGUF whose projections are all packed (mixed types, fused q/k/v of two types), for
-1 to 3 sequences per step; the plan notices replaced tensors; other models run the modules."""
+tiny llama GGUF whose projections are all packed (mixed types, fused q/k/v of two types) and on
+the bf16 checkpoint where the AVX-512 BF16 small-batch kernel reads blocked weights, for 1 to 3
+sequences per step; the plan notices replaced tensors; other models run the modules."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.kernels.cpu import small_batch_linear_isa
 from pagedlm.models.llama_decode_plan import LlamaDecodePlan
 from tests.e2e.test_quantized_models import mixed_gguf  # noqa: F401 (fixture)
 from tests.e2e.test_tensor_parallel import _prompts
@@ -37,15 +39,22 @@ def _generate(model, tokenizer, max_num_seqs: int, dtype: str) -> list:
     return [(o.token_ids, lps) for o, lps in zip(outs, logprobs)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "source,dtype",
+    [("gguf", "float32"), ("gguf", "bfloat16"), ("dense", "bfloat16")],
+)
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 def test_decode_plan_equals_modules(
     tiny_llama,
     mixed_gguf,  # noqa: F811
     monkeypatch,
     max_num_seqs,
+    source,
     dtype,
 ) -> None:
+    if source == "dense" and small_batch_linear_isa() != "avx512_bf16":
+        pytest.skip("bf16 weights are blocked for the small-batch kernel on AVX-512 BF16 only")
+    model = mixed_gguf if source == "gguf" else tiny_llama
     rows_seen: list[int] = []
     run = LlamaDecodePlan.run
 
@@ -54,11 +63,11 @@ def test_decode_plan_equals_modules(
         return run(self, *args)
 
     monkeypatch.setattr(LlamaDecodePlan, "run", counting_run)
-    with_plan = _generate(mixed_gguf, tiny_llama, max_num_seqs, dtype)
+    with_plan = _generate(model, tiny_llama, max_num_seqs, dtype)
     assert rows_seen and max(rows_seen) == max_num_seqs  # the plan ran, at every batch size
     rows_seen.clear()
     monkeypatch.setenv("PAGEDLM_DISABLE_DECODE_PLAN", "1")
-    without = _generate(mixed_gguf, tiny_llama, max_num_seqs, dtype)
+    without = _generate(model, tiny_llama, max_num_seqs, dtype)
     assert not rows_seen
     assert with_plan == without
 
@@ -91,14 +100,16 @@ def test_decode_plan_notices_replaced_tensors(tiny_llama, mixed_gguf) -> None:  
         llm.llm_engine.shutdown()
 
 
-def test_models_without_packed_weights_run_the_modules(
+def test_other_linear_paths_run_the_modules(
     tiny_llama,
     mixed_gguf,  # noqa: F811
     monkeypatch,
 ) -> None:
-    for model, env in ((tiny_llama, "0"), (mixed_gguf, "1")):  # dense checkpoint; dequantized
+    """fp32 dense weights (oneDNN) and a GGUF dequantized at load in fp32."""
+    for model, env in ((tiny_llama, "0"), (mixed_gguf, "1")):
         monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", env)
-        llm = LLM(str(model), tokenizer=str(tiny_llama), max_model_len=128, max_num_seqs=1)
+        kwargs = {"max_model_len": 128, "max_num_seqs": 1, "dtype": "float32"}
+        llm = LLM(str(model), tokenizer=str(tiny_llama), **kwargs)
         try:
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
             runner = _runner(llm)
