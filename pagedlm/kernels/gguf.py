@@ -35,9 +35,12 @@ def _isa_of(lib) -> str:
 
 
 def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
-    """The packed tensors' pointers, checked; cached on `w` (decode calls every layer each
-    step) and re-checked whenever one of its tensors or layout fields was replaced."""
-    key = (w.qs, w.qh, w.scales, w.mins, w.bits, w.group, w.offset, w.n)
+    """The packed tensors' pointers (qs, qh, scales, mins, super_scales, super_mins), checked;
+    cached on `w` (decode calls every layer each step) and re-checked whenever one of its
+    tensors or layout fields was replaced."""
+    key = (
+        w.qs, w.qh, w.scales, w.mins, w.super_scales, w.super_mins, w.bits, w.group, w.offset, w.n
+    )  # fmt: skip
     cached = w.__dict__.get("_kernel_args")
     if cached is not None and all(
         a is b if isinstance(a, torch.Tensor) or a is None else a == b
@@ -49,14 +52,30 @@ def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
     return args
 
 
+# scales dtype -> the kernels' SCALES_* (gguf_common.h): fp32, fp16, int8 / uint8 sub-scales
+# times the K-quants' fp32 super-block scales
+_SCALE_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2, torch.uint8: 3}
+
+
 def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
     n, k = w.shape
     tiles, subs = -(-n // TILE_ROWS), k // w.group
     quads = k // 4 if w.bits == 8 else k // 8
     if (w.qh is None) != (w.bits not in (5, 6)):
         raise ValueError(f"{fn}: {w.bits}-bit weights {'need' if w.qh is None else 'take no'} qh")
-    scale_shape = (tiles, subs, TILE_ROWS)
-    scales = checked(fn, "scales", w.scales, (torch.float16, torch.float32), scale_shape)
+    scale_shape, super_shape = (tiles, subs, TILE_ROWS), (tiles, k // 256, TILE_ROWS)
+    scales = checked(fn, "scales", w.scales, tuple(_SCALE_KINDS), scale_shape)
+    kind = _SCALE_KINDS[w.scales.dtype]
+    needs_super = kind >= 2
+    if needs_super != (w.super_scales is not None):
+        raise ValueError(f"{fn}: {w.scales.dtype} scales {'need' if needs_super else 'take no'} "
+                         "super_scales")  # fmt: skip
+    if (w.super_mins is not None) != (needs_super and w.mins is not None):
+        raise ValueError(f"{fn}: super_mins go with the mins of super-block scales only")
+    supers = [
+        None if v is None else checked(fn, name, v, torch.float32, super_shape)
+        for name, v in (("super_scales", w.super_scales), ("super_mins", w.super_mins))
+    ]
     return (
         checked(fn, "qs", w.qs, torch.uint8, (tiles, quads, 64)),
         None
@@ -64,23 +83,25 @@ def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
         else checked(fn, "qh", w.qh, torch.uint8, (tiles, k // 8, 16 * (w.bits - 4))),
         scales,
         None if w.mins is None else checked(fn, "mins", w.mins, w.scales.dtype, scale_shape),
+        *supers,
     )
 
 
 def _layout(w: PackedGGUFWeight) -> tuple[int, int, int, int]:
-    """(bits, group, offset, half): the layout arguments every kernel takes."""
-    return w.bits, w.group, w.offset, int(w.scales.dtype == torch.float16)
+    """(bits, group, offset, scale kind): the layout arguments every kernel takes."""
+    return w.bits, w.group, w.offset, _SCALE_KINDS[w.scales.dtype]
 
 
-def _matmul_args(
+def matmul_args(
     fn: str,
     x: torch.Tensor,
     w: PackedGGUFWeight,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
-):
-    """(y, the checked arguments both kernels take first: x, qs, qh, scales, mins, bias, y, M,
-    N, K, bits, group, offset, half, bf16). `out`: y given, [M, N] with contiguous rows."""
+) -> tuple[torch.Tensor, tuple, tuple]:
+    """(y, the checked pointer arguments both kernels take first: x, qs, qh, scales, mins,
+    super_scales, super_mins, bias, y; then M, N, K, bits, group, offset, scale kind, bf16).
+    `out`: y given, [M, N] with contiguous rows (the GEMV only)."""
     n, k = w.shape
     x = x.contiguous()
     m = x.shape[0]
@@ -89,24 +110,34 @@ def _matmul_args(
     else:
         checked(fn, "out", out, x.dtype, (m, n), rows_strided=True)
         y = out
-    args = (
+    pointers = (
         checked(fn, "x", x, _FLOATS, (m, k)),
         *_weight_args(fn, w),
         None if bias is None else checked(fn, "bias", bias.contiguous(), x.dtype, (n,)),
         y.data_ptr(),
-        m,
-        n,
-        k,
-        *_layout(w),
-        int(x.dtype == torch.bfloat16),
     )
-    return y, args
+    return y, pointers, (m, n, k, *_layout(w), int(x.dtype == torch.bfloat16))
 
 
-# x, qs, qh, scales, mins, bias, y, ldy, M, N, K, bits, group, offset, half, bf16, isa,
-# num_threads -> 1 if computed (0: bad layout, ISA not compiled in, or out of memory)
-declare("gguf_gemv", [_ptr] * 7 + [_i64] * 4 + [_int] * 7, _int)
+# x, qs, qh, scales, mins, super_scales, super_mins, bias, y, ldy, M, N, K, bits, group,
+# offset, scale kind, bf16, isa, num_threads -> 1 if computed (0: bad layout, ISA not compiled
+# in, or out of memory)
+declare("gguf_gemv", [_ptr] * 9 + [_i64] * 4 + [_int] * 7, _int)
 _ISA_CODES = {"avx512_vnni": 1, "portable": 0}
+
+
+def gemv_args(
+    x: torch.Tensor,
+    w: PackedGGUFWeight,
+    bias: torch.Tensor | None,
+    isa: str | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple]:
+    """(y, the whole checked argument tuple of the C `gguf_gemv`) for `gguf_gemv` below and
+    the decode plan, which calls the kernel with it directly."""
+    isa = isa or gguf_isa()
+    y, pointers, sizes = matmul_args("gguf_gemv", x, w, bias, out)
+    return y, (*pointers, y.stride(0), *sizes, _ISA_CODES[isa], torch.get_num_threads())
 
 
 def gguf_gemv(
@@ -122,18 +153,17 @@ def gguf_gemv(
     lib = cpu_kernels()
     if lib is None:
         return None
-    isa = isa or gguf_isa()
-    y, args = _matmul_args("gguf_gemv", x, w, bias, out)
-    ldy = y.stride(0)
-    if not lib.gguf_gemv(*args[:7], ldy, *args[7:], _ISA_CODES[isa], torch.get_num_threads()):
-        raise MemoryError(f"gguf_gemv: out of memory or {isa} not compiled in")
+    y, args = gemv_args(x, w, bias, isa, out)
+    if not lib.gguf_gemv(*args):
+        raise MemoryError(f"gguf_gemv: out of memory or {isa or gguf_isa()} not compiled in")
     return y
 
 
 declare("gguf_gemm_compiled", [], _int)
-# x, qs, qh, scales, mins, bias, y, M, N, K, bits, group, offset, half, bf16, num_threads
-# -> 1 if computed (0: bad layout, no AVX-512 VNNI compiled in, or out of memory)
-declare("gguf_gemm", [_ptr] * 7 + [_i64] * 3 + [_int] * 6, _int)
+# x, qs, qh, scales, mins, super_scales, super_mins, bias, y, M, N, K, bits, group, offset,
+# scale kind, bf16, num_threads -> 1 if computed (0: bad layout, no AVX-512 VNNI compiled in,
+# or out of memory)
+declare("gguf_gemm", [_ptr] * 9 + [_i64] * 3 + [_int] * 6, _int)
 
 
 def gguf_gemm(
@@ -144,17 +174,17 @@ def gguf_gemm(
     lib = cpu_kernels()
     if lib is None or not lib.gguf_gemm_compiled():
         return None
-    y, args = _matmul_args("gguf_gemm", x, w, bias)
-    if not lib.gguf_gemm(*args, torch.get_num_threads()):
+    y, pointers, sizes = matmul_args("gguf_gemm", x, w, bias)
+    if not lib.gguf_gemm(*pointers, *sizes, torch.get_num_threads()):
         raise MemoryError("gguf_gemm: out of memory")
     return y
 
 
-# qs, qh, scales, mins, N, K, bits, group, offset, half, n0, n1, out, bf16, num_threads
-# -> 1 if done
+# qs, qh, scales, mins, super_scales, super_mins, N, K, bits, group, offset, scale kind, n0,
+# n1, out, bf16, num_threads -> 1 if done
 declare(
     "gguf_dequantize_rows",
-    [_ptr] * 4 + [_i64] * 2 + [_int] * 4 + [_i64] * 2 + [_ptr, _int, _int],
+    [_ptr] * 6 + [_i64] * 2 + [_int] * 4 + [_i64] * 2 + [_ptr, _int, _int],
     _int,
 )
 

@@ -227,11 +227,8 @@ class LlamaDecodePlan:
             b = None if bias is None else bias[g.offset : g.offset + g.rows].to(self.dtype)
             if b is not None:
                 self._biases.append(b)
-            columns = y[:, g.offset : g.offset + g.rows]
-            _, args = kg._matmul_args("gguf_gemv", x, g.packed, b, columns)
-            isa = kg._ISA_CODES[kg.gguf_isa()]
-            call_args = (*args[:7], y.stride(0), *args[7:], isa, self._threads)
-            self.calls.append((lib.gguf_gemv, call_args, _OK_NONZERO))
+            _, args = kg.gemv_args(x, g.packed, b, out=y[:, g.offset : g.offset + g.rows])
+            self.calls.append((lib.gguf_gemv, args, _OK_NONZERO))
 
     def _layer(self, lib, layer: LlamaDecoderLayer, first_layer: bool) -> None:
         attn, mlp, rows = layer.self_attn, layer.mlp, self.rows

@@ -62,6 +62,15 @@ def test_packed_weight_dequantizes_to_ggml_values_exactly(t) -> None:
         assert torch.equal(got16, want.bfloat16())
 
 
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_packed_weight_is_no_larger_than_its_gguf_blocks(t) -> None:
+    """Scales stay as the blocks hold them (fp16, or 8-bit sub-scales under the K-quants'
+    super-block scale, kept in fp32: at most 6% more than ggml's fp16 d/dmin)."""
+    n, k = 32, 512  # whole tiles: no padding rows
+    raw = _raw(t, n, k, int(t), moderate=True)
+    assert pack_gguf(raw, t, (n, k)).nbytes() <= raw.nbytes * 1.06
+
+
 def test_can_pack_rules() -> None:
     assert can_pack(T.Q4_K, (16, 256)) and can_pack(T.Q8_0, (3, 64))
     assert not can_pack(T.Q8_0, (3, 96))  # K % 64
@@ -173,7 +182,7 @@ def test_quantized_gemv_bf16_rounds_once(t) -> None:
 @needs_kernels
 def test_kernel_boundary_rejects_wrong_dtypes_and_shapes() -> None:
     w, x, bias = _case(T.Q5_0, 2, 16, 128)
-    with pytest.raises(TypeError, match="scales must be torch.float16 or torch.float32"):
+    with pytest.raises(TypeError, match="scales must be torch.float32 or torch.float16"):
         w.scales = w.scales.double()
         kg.gguf_gemv(x, w, None)
     w, x, bias = _case(T.Q5_0, 2, 16, 128)
@@ -206,10 +215,14 @@ def test_gguf_linear_fallbacks_agree(monkeypatch) -> None:
 
 @needs_gemm
 def test_gemm_boundary_rejects_wrong_dtypes_and_shapes() -> None:
-    w, x, bias = _case(T.Q6_K, 7, 16, 256)
+    w, x, bias = _case(T.Q4_K, 7, 16, 256)
     kg.gguf_gemm(x, w, bias)  # checked once, then cached on w: a replaced tensor is re-checked
-    w.mins = torch.zeros(16, 16, dtype=torch.float64)
-    with pytest.raises(TypeError, match="mins must be torch.float32"):
+    w.mins = torch.zeros(1, 8, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="mins must be torch.uint8"):
+        kg.gguf_gemm(x, w, bias)
+    w, x, bias = _case(T.Q6_K, 7, 16, 256)
+    w.super_scales = None  # int8 sub-scales mean nothing without the super-block's d
+    with pytest.raises(ValueError, match="need super_scales"):
         kg.gguf_gemm(x, w, bias)
     w, x, bias = _case(T.Q6_K, 7, 16, 256)
     with pytest.raises(ValueError, match="x has shape"):

@@ -13,14 +13,21 @@
 
 #define TILE 16  // rows per tile
 
+// How scales and mins are stored (gguf_pack.py's table): fp32, fp16, or 8-bit sub-scales
+// (int8 for Q6_K, uint8 for Q4_K/Q5_K, whose mins are uint8 too) times the 256-value
+// super-block's fp32 d (dmin for mins), multiplied in fp32 as ggml does.
+enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_I8_SUPER = 2, SCALES_U8_SUPER = 3 };
+
 typedef struct {
   const uint8_t* qs;     // [T][K / 4][64] bytes (8 bits), or [T][K / 8][64] nibble pairs
   const uint8_t* qh;     // [T][K / 8][16 * (bits - 4)] bit masks (5 and 6 bits), else NULL
-  const void* scales;    // [T][K / G][16], fp16 (half) or fp32
+  const void* scales;    // [T][K / G][16], stored as `kind` says
   const void* mins;      // [T][K / G][16] like scales, or NULL
+  const float* sup;      // [T][K / 256][16] d of the K-quants, else NULL
+  const float* msup;     // [T][K / 256][16] dmin of the K-quants with mins, else NULL
   int64_t N, K;          // rows (T = ceil(N / 16) tiles), columns
   int bits, group, offset;
-  int half;              // scales and mins are fp16 (the GGUF types whose block scale is one)
+  int kind;              // SCALES_*
 } QWeight;
 
 // IEEE half -> float, exactly (subnormals, infinities and NaNs included).
@@ -46,9 +53,25 @@ static inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// Element i of a scales/mins array of w.
-static inline float scale_at(const QWeight* w, const void* v, int64_t i) {
-  return w->half ? half_to_float(((const uint16_t*)v)[i]) : ((const float*)v)[i];
+// Scale (mins = 0) or min (mins = 1) of row 16 t + r for sub-block g, as fp32.
+static inline float scale_of(const QWeight* w, int mins, int64_t t, int64_t g, int r) {
+  const void* v = mins ? w->mins : w->scales;
+  const int64_t at = (t * (w->K / w->group) + g) * TILE + r;
+  const int64_t sat = (t * (w->K / 256) + g * w->group / 256) * TILE + r;
+  switch (w->kind) {
+    case SCALES_F16: return half_to_float(((const uint16_t*)v)[at]);
+    case SCALES_I8_SUPER: return w->sup[sat] * (float)((const int8_t*)v)[at];
+    case SCALES_U8_SUPER: return (mins ? w->msup : w->sup)[sat] * (float)((const uint8_t*)v)[at];
+    default: return ((const float*)v)[at];
+  }
+}
+
+static inline int valid_scales(const QWeight* w) {
+  const int super = w->kind == SCALES_I8_SUPER || w->kind == SCALES_U8_SUPER;
+  if (w->kind < SCALES_F32 || w->kind > SCALES_U8_SUPER) return 0;
+  if (!super) return 1;
+  if (w->K % 256 || w->sup == NULL) return 0;
+  return w->mins == NULL || (w->kind == SCALES_U8_SUPER && w->msup != NULL);
 }
 
 static inline int64_t num_tiles(const QWeight* w) { return (w->N + TILE - 1) / TILE; }
@@ -56,7 +79,7 @@ static inline int64_t num_tiles(const QWeight* w) { return (w->N + TILE - 1) / T
 static inline int valid(const QWeight* w) {
   const int bits_ok = w->bits == 4 || w->bits == 5 || w->bits == 6 || w->bits == 8;
   return bits_ok && (w->group == 16 || w->group == 32) && w->N > 0 && w->K > 0 &&
-         w->K % 64 == 0;
+         w->K % 64 == 0 && valid_scales(w);
 }
 
 // q[r][k] (16 rows x K unsigned bytes, row-major) of tile t; padding rows come out as zeros.
@@ -160,11 +183,22 @@ static inline void quantize_act_row(const void* x, int64_t m, const QWeight* w, 
 }
 
 #ifdef PAGEDLM_VNNI
-// 16 scales (or mins) from element `at` (HALF a compile-time constant at every call site).
-static inline __attribute__((always_inline)) __m512 load_scales16(const void* v, int64_t at,
-                                                                  const int HALF) {
-  if (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)v + at)));
-  return _mm512_loadu_ps((const float*)v + at);
+// Scales (mins = 0) or mins of the 16 rows of tile t for sub-block g (KIND a compile-time
+// constant at every call site).
+static inline __attribute__((always_inline)) __m512 load_scales16(const QWeight* w, int mins,
+                                                                  int64_t t, int64_t g,
+                                                                  const int KIND) {
+  const void* v = mins ? w->mins : w->scales;
+  const int64_t at = (t * (w->K / w->group) + g) * TILE;
+  if (KIND == SCALES_F16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)v + at)));
+  if (KIND == SCALES_F32) return _mm512_loadu_ps((const float*)v + at);
+  const __m128i bytes = _mm_loadu_si128((const __m128i*)((const uint8_t*)v + at));
+  const __m512i sub =
+      KIND == SCALES_I8_SUPER ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  const float* sup = mins ? w->msup : w->sup;
+  const __m512 d = _mm512_loadu_ps(sup + (t * (w->K / 256) + g * w->group / 256) * TILE);
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(sub));
 }
 
 // The VNNI vectors of k-quads 2s and 2s + 1 of tile t (BITS a compile-time constant at every

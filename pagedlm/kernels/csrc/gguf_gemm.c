@@ -20,8 +20,13 @@
 #define NT 32    // output columns per tile (two 16-lane vectors)
 #define MR_MAX 6  // activation rows per microkernel call
 
-static inline __m512 load_scales(const QWeight* w, const void* v, int64_t at) {
-  return w->half ? load_scales16(v, at, 1) : load_scales16(v, at, 0);
+static inline __m512 load_scales(const QWeight* w, int mins, int64_t t, int64_t g) {
+  switch (w->kind) {
+    case SCALES_F16: return load_scales16(w, mins, t, g, SCALES_F16);
+    case SCALES_I8_SUPER: return load_scales16(w, mins, t, g, SCALES_I8_SUPER);
+    case SCALES_U8_SUPER: return load_scales16(w, mins, t, g, SCALES_U8_SUPER);
+    default: return load_scales16(w, mins, t, g, SCALES_F32);
+  }
 }
 
 // Columns n0 .. n0 + 31 (tiles 2 tp, 2 tp + 1) into wt [K / 4][32][4], sT and mT [K / G][32].
@@ -40,12 +45,11 @@ static inline __attribute__((always_inline)) void unpack_tile(const QWeight* w, 
       _mm512_store_si512(wt + ((2 * s + 1) * NT + TILE * half) * 4, hi);
     }
     for (int64_t g = 0; g < subs; g++) {
-      const int64_t at = (t * subs + g) * TILE;
       const __m512 zero = _mm512_setzero_ps();
       const int in = t < tiles;
-      _mm512_store_ps(sT + g * NT + TILE * half, in ? load_scales(w, w->scales, at) : zero);
+      _mm512_store_ps(sT + g * NT + TILE * half, in ? load_scales(w, 0, t, g) : zero);
       if (mT != NULL)
-        _mm512_store_ps(mT + g * NT + TILE * half, in ? load_scales(w, w->mins, at) : zero);
+        _mm512_store_ps(mT + g * NT + TILE * half, in ? load_scales(w, 1, t, g) : zero);
     }
   }
 }
@@ -157,14 +161,16 @@ int gguf_gemm_compiled(void) {
 // y [M, N] (bf16 or fp32, as x) = x W^T (+ bias, in x's dtype). Returns 1 if computed; 0 for
 // bad arguments, no AVX-512 VNNI compiled in, or out of memory.
 int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* scales,
-              const void* mins, const void* bias, void* y, int64_t M, int64_t N, int64_t K,
-              int bits, int group, int offset, int half, int bf16, int num_threads) {
+              const void* mins, const float* sup, const float* msup, const void* bias, void* y,
+              int64_t M, int64_t N, int64_t K, int bits, int group, int offset, int kind,
+              int bf16, int num_threads) {
 #ifndef PAGEDLM_VNNI
-  (void)x, (void)qs, (void)qh, (void)scales, (void)mins, (void)bias, (void)y, (void)M, (void)N;
-  (void)K, (void)bits, (void)group, (void)offset, (void)half, (void)bf16, (void)num_threads;
+  (void)x, (void)qs, (void)qh, (void)scales, (void)mins, (void)sup, (void)msup, (void)bias;
+  (void)y, (void)M, (void)N, (void)K, (void)bits, (void)group, (void)offset, (void)kind;
+  (void)bf16, (void)num_threads;
   return 0;
 #else
-  const QWeight w = {qs, qh, scales, mins, N, K, bits, group, offset, half};
+  const QWeight w = {qs, qh, scales, mins, sup, msup, N, K, bits, group, offset, kind};
   if (!valid(&w) || M < 1) return 0;
   const int64_t subs = K / group, tiles = (N + NT - 1) / NT;
   int ok = 1;

@@ -41,9 +41,8 @@ static void tile_dots_portable(const QWeight* w, const uint8_t* q, int64_t t, co
       for (int64_t g = 0; g < subs; g++) {
         int32_t s = a->corr[m * subs + g];
         for (int64_t k = g * G; k < (g + 1) * G; k++) s += (int32_t)q[r * K + k] * x[k];
-        const int64_t at = (t * subs + g) * TILE + r;
-        acc += (float)s * (scale_at(w, w->scales, at) * a->d[m * subs + g]);
-        if (w->mins != NULL) acc -= scale_at(w, w->mins, at) * a->dsum[m * subs + g];
+        acc += (float)s * (scale_of(w, 0, t, g, r) * a->d[m * subs + g]);
+        if (w->mins != NULL) acc -= scale_of(w, 1, t, g, r) * a->dsum[m * subs + g];
       }
       out[j][r] = acc;
     }
@@ -72,7 +71,7 @@ static inline __attribute__((always_inline)) void tile_dots(const QWeight* w, in
                                                             const QAct* a, int64_t m0,
                                                             const int MT, const int BITS,
                                                             const int G, const int MINS,
-                                                            const int HALF, __m512 acc[MT_MAX]) {
+                                                            const int KIND, __m512 acc[MT_MAX]) {
   const int64_t K = w->K, subs = K / G;
   for (int j = 0; j < MT; j++) acc[j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < subs; g++) {
@@ -92,52 +91,52 @@ static inline __attribute__((always_inline)) void tile_dots(const QWeight* w, in
         odd[j] = _mm512_dpbusd_epi32(odd[j], hi, _mm512_set1_epi32(x4[1]));
       }
     }
-    const __m512 ws = load_scales16(w->scales, (t * subs + g) * TILE, HALF);
+    const __m512 ws = load_scales16(w, 0, t, g, KIND);
     for (int j = 0; j < MT; j++) {
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[j], odd[j]));
       const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(a->d[(m0 + j) * subs + g]));
       acc[j] = _mm512_fmadd_ps(sum, scale, acc[j]);
       if (MINS)
-        acc[j] = _mm512_fnmadd_ps(load_scales16(w->mins, (t * subs + g) * TILE, HALF),
+        acc[j] = _mm512_fnmadd_ps(load_scales16(w, 1, t, g, KIND),
                                   _mm512_set1_ps(a->dsum[(m0 + j) * subs + g]), acc[j]);
     }
   }
 }
 
-#define TILE_DOTS_FOR(NAME, BITS, G, MINS, HALF)                                           \
+#define TILE_DOTS_FOR(NAME, BITS, G, MINS, KIND)                                           \
   static void tile_dots_##NAME(const QWeight* w, int64_t t, const QAct* a, int64_t m0, int mt, \
                                __m512 acc[MT_MAX]) {                                          \
     switch (mt) {                                                                             \
-      case 4: tile_dots(w, t, a, m0, 4, BITS, G, MINS, HALF, acc); break;                     \
-      case 3: tile_dots(w, t, a, m0, 3, BITS, G, MINS, HALF, acc); break;                     \
-      case 2: tile_dots(w, t, a, m0, 2, BITS, G, MINS, HALF, acc); break;                     \
-      default: tile_dots(w, t, a, m0, 1, BITS, G, MINS, HALF, acc);                           \
+      case 4: tile_dots(w, t, a, m0, 4, BITS, G, MINS, KIND, acc); break;                     \
+      case 3: tile_dots(w, t, a, m0, 3, BITS, G, MINS, KIND, acc); break;                     \
+      case 2: tile_dots(w, t, a, m0, 2, BITS, G, MINS, KIND, acc); break;                     \
+      default: tile_dots(w, t, a, m0, 1, BITS, G, MINS, KIND, acc);                           \
     }                                                                                         \
   }
 // the layouts of the GGUF types (gguf_pack.py); others take the portable path
-TILE_DOTS_FOR(q8_0, 8, 32, 0, 1)
-TILE_DOTS_FOR(q4_0, 4, 32, 0, 1)
-TILE_DOTS_FOR(q5_0, 5, 32, 0, 1)
-TILE_DOTS_FOR(q4_1, 4, 32, 1, 1)
-TILE_DOTS_FOR(q5_1, 5, 32, 1, 1)
-TILE_DOTS_FOR(q4_k, 4, 32, 1, 0)
-TILE_DOTS_FOR(q5_k, 5, 32, 1, 0)
-TILE_DOTS_FOR(q6_k, 6, 16, 0, 0)
+TILE_DOTS_FOR(q8_0, 8, 32, 0, SCALES_F16)
+TILE_DOTS_FOR(q4_0, 4, 32, 0, SCALES_F16)
+TILE_DOTS_FOR(q5_0, 5, 32, 0, SCALES_F16)
+TILE_DOTS_FOR(q4_1, 4, 32, 1, SCALES_F16)
+TILE_DOTS_FOR(q5_1, 5, 32, 1, SCALES_F16)
+TILE_DOTS_FOR(q4_k, 4, 32, 1, SCALES_U8_SUPER)
+TILE_DOTS_FOR(q5_k, 5, 32, 1, SCALES_U8_SUPER)
+TILE_DOTS_FOR(q6_k, 6, 16, 0, SCALES_I8_SUPER)
 
 typedef void (*TileDots)(const QWeight*, int64_t, const QAct*, int64_t, int, __m512*);
 
 // The kernel of w's layout, or NULL (a combination no GGUF type uses).
 static TileDots tile_kernel(const QWeight* w) {
-  const int key = w->bits * 10000 + w->group * 100 + (w->mins != NULL) * 10 + w->half;
+  const int key = w->bits * 10000 + w->group * 100 + (w->mins != NULL) * 10 + w->kind;
   switch (key) {
     case 83201: return tile_dots_q8_0;
     case 43201: return tile_dots_q4_0;
     case 53201: return tile_dots_q5_0;
     case 43211: return tile_dots_q4_1;
     case 53211: return tile_dots_q5_1;
-    case 43210: return tile_dots_q4_k;
-    case 53210: return tile_dots_q5_k;
-    case 61600: return tile_dots_q6_k;
+    case 43213: return tile_dots_q4_k;
+    case 53213: return tile_dots_q5_k;
+    case 61602: return tile_dots_q6_k;
     default: return NULL;
   }
 }
@@ -167,10 +166,10 @@ static void store_out(void* y, int64_t ldy, const void* bias, int64_t m, int64_t
 // 0 = portable. Returns 1 if computed; 0 for bad arguments, an ISA not compiled in, or out of
 // memory.
 int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const void* scales,
-              const void* mins, const void* bias, void* y, int64_t ldy, int64_t M, int64_t N,
-              int64_t K, int bits, int group, int offset, int half, int bf16, int isa,
-              int num_threads) {
-  const QWeight w = {qs, qh, scales, mins, N, K, bits, group, offset, half};
+              const void* mins, const float* sup, const float* msup, const void* bias, void* y,
+              int64_t ldy, int64_t M, int64_t N, int64_t K, int bits, int group, int offset,
+              int kind, int bf16, int isa, int num_threads) {
+  const QWeight w = {qs, qh, scales, mins, sup, msup, N, K, bits, group, offset, kind};
   if (!valid(&w) || M < 1 || ldy < N) return 0;
 #ifndef PAGEDLM_VNNI
   if (isa == 1) return 0;
@@ -225,12 +224,12 @@ int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
 // out[(n - n0) * K + k] = W[n][k] for n0 <= n < n1, bf16 or fp32, computed as
 // (float)(q - offset) * scale, then - min: the PyTorch twin's operations, unfused.
 __attribute__((optimize("fp-contract=off"))) int gguf_dequantize_rows(
-    const uint8_t* qs, const uint8_t* qh, const void* scales, const void* mins, int64_t N,
-    int64_t K, int bits, int group, int offset, int half, int64_t n0, int64_t n1, void* out,
-    int bf16, int num_threads) {
-  const QWeight w = {qs, qh, scales, mins, N, K, bits, group, offset, half};
+    const uint8_t* qs, const uint8_t* qh, const void* scales, const void* mins,
+    const float* sup, const float* msup, int64_t N, int64_t K, int bits, int group,
+    int offset, int kind, int64_t n0, int64_t n1, void* out, int bf16, int num_threads) {
+  const QWeight w = {qs, qh, scales, mins, sup, msup, N, K, bits, group, offset, kind};
   if (!valid(&w) || n0 < 0 || n1 > N || n0 >= n1) return 0;
-  const int64_t t0 = n0 / TILE, t1 = (n1 + TILE - 1) / TILE, subs = K / group;
+  const int64_t t0 = n0 / TILE, t1 = (n1 + TILE - 1) / TILE;
   int ok = 1;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -247,9 +246,9 @@ __attribute__((optimize("fp-contract=off"))) int gguf_dequantize_rows(
           const int64_t n = t * TILE + r;
           if (n < n0 || n >= n1) continue;
           for (int64_t k = 0; k < K; k++) {
-            const int64_t at = (t * subs + k / group) * TILE + r;
-            const float v = (float)((int32_t)q[r * K + k] - offset) * scale_at(&w, scales, at);
-            row[k] = mins == NULL ? v : v - scale_at(&w, mins, at);
+            const int64_t g = k / group;
+            const float v = (float)((int32_t)q[r * K + k] - offset) * scale_of(&w, 0, t, g, r);
+            row[k] = mins == NULL ? v : v - scale_of(&w, 1, t, g, r);
           }
           store_row(out, (n - n0) * K, K, bf16, row);
         }

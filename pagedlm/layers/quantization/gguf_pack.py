@@ -1,9 +1,11 @@
 """GGUF quantized weights repacked at load into one layout the matmul kernels read.
 
 Every supported type is written as ``W[n][k] = scale[n][k // G] * (q[n][k] - offset) -
-min[n][k // G]`` with q unsigned and ``bits`` wide, scale/min fp32 per sub-block of G values
-(the products ``d * sub_scale`` that ggml's reference computes, so dequantizing gives exactly
-its float32 values).
+min[n][k // G]`` with q unsigned and ``bits`` wide and scale/min per sub-block of G values,
+stored as the GGUF block holds them: one fp16 value for the 32-value types; for the K-quants
+an 8-bit sub-scale (and sub-min) times the 256-value super-block's fp32 ``d`` (and ``dmin``),
+a product formed in fp32 as ggml's reference forms it, so dequantizing gives exactly its
+float32 values.
 
 Rows are stored in tiles of 16 (the last one padded with zero quants, scales and mins), each
 in VNNI order: a 64-byte vector holds 4 consecutive values ("a k-quad") of each of the 16
@@ -14,20 +16,21 @@ quants broadcast. Per tile t:
 * 4/5/6-bit q: ``qs[t][s]`` holds k-quads 2s (low nibbles) and 2s + 1 (high nibbles), and for
   5/6 bits ``qh[t][s]`` holds per extra bit p = 0, 1 two 64-bit masks (k-quad 2s, then 2s + 1)
   whose bit 4 r + i is bit 4 + p of that value;
-* ``scales[t][g]`` (and ``mins[t][g]``): the 16 rows' values for sub-block g.
+* ``scales[t][g]`` (and ``mins[t][g]``): the 16 rows' values for sub-block g; K-quants also
+  ``super_scales[t][b]`` (and ``super_mins[t][b]``) for super-block b.
 
-=====  ====  ==  ======  ====  ====================================
-type   bits  G   offset  min   from the GGUF block
-=====  ====  ==  ======  ====  ====================================
-Q8_0   8     32  128     no    d * q
-Q4_0   4     32  8       no    d * (q - 8)
-Q5_0   5     32  16      no    d * (q - 16)
-Q4_1   4     32  0       -m    d * q + m
-Q5_1   5     32  0       -m    d * q + m
-Q4_K   4     32  0       yes   (d * sc) * q - dmin * mn
-Q5_K   5     32  0       yes   (d * sc) * q - dmin * mn
-Q6_K   6     16  32      no    (d * sc) * (q - 32)
-=====  ====  ==  ======  ====  ====================================
+=====  ====  ==  ======  ==========  ==============  ================================
+type   bits  G   offset  scale       min             from the GGUF block
+=====  ====  ==  ======  ==========  ==============  ================================
+Q8_0   8     32  128     d fp16      no              d * q
+Q4_0   4     32  8       d fp16      no              d * (q - 8)
+Q5_0   5     32  16      d fp16      no              d * (q - 16)
+Q4_1   4     32  0       d fp16      -m fp16         d * q + m
+Q5_1   5     32  0       d fp16      -m fp16         d * q + m
+Q4_K   4     32  0       sc u8 x d   mn u8 x dmin    (d * sc) * q - dmin * mn
+Q5_K   5     32  0       sc u8 x d   mn u8 x dmin    (d * sc) * q - dmin * mn
+Q6_K   6     16  32      sc i8 x d   no              (d * sc) * (q - 32)
+=====  ====  ==  ======  ==========  ==============  ================================
 
 Rows need K % 64 == 0; other shapes and types stay on the dequantized path.
 """
@@ -52,26 +55,35 @@ class PackedGGUFWeight:
 
     qs: torch.Tensor  # uint8 [T, K/4, 64] (8 bits) or [T, K/8, 64]
     qh: torch.Tensor | None  # uint8 [T, K/8, 16 * (bits - 4)] for 5/6 bits
-    scales: torch.Tensor  # fp16 or fp32 (by type, table above) [T, K/G, 16]
-    mins: torch.Tensor | None  # as scales
+    scales: torch.Tensor  # [T, K/G, 16]: fp16, or the K-quants' uint8 / int8 sub-scales
+    mins: torch.Tensor | None  # as scales (fp16, or uint8 sub-mins), or None
     bits: int
     group: int
     offset: int
     ggml_type: int
     n: int  # rows (the last tile's padding excluded)
+    super_scales: torch.Tensor | None = None  # fp32 [T, K/256, 16]: the K-quants' d
+    super_mins: torch.Tensor | None = None  # fp32 [T, K/256, 16]: the K-quants' dmin
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.scales.shape[1] * self.group
 
     def nbytes(self) -> int:
-        parts = (self.qs, self.qh, self.scales, self.mins)
+        parts = (self.qs, self.qh, self.scales, self.mins, self.super_scales, self.super_mins)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def row_values(self, name: str) -> torch.Tensor | None:
-        """`scales` or `mins` per row as fp32, [n, K/G]."""
+        """`scales` or `mins` per row as fp32 [n, K/G]; for K-quants the product with the
+        super-block's value, d * sub-scale in fp32 as ggml forms it."""
         v = getattr(self, name)
-        return None if v is None else v.float().transpose(1, 2).reshape(-1, v.shape[1])[: self.n]
+        if v is None:
+            return None
+        v = v.float()
+        sup = getattr(self, "super_" + name)
+        if sup is not None:
+            v = sup.repeat_interleave(256 // self.group, dim=1) * v
+        return v.transpose(1, 2).reshape(-1, v.shape[1])[: self.n]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -97,27 +109,33 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-# Per type: raw blocks [n, type_size] -> (q uint8 [n, values], scale fp32 [n, subs],
-# min fp32 [n, subs] or None).
+# Per type: raw blocks [n, type_size] -> (q uint8 [n, values], scale [n, subs], min [n, subs]
+# or None, and for K-quants d and dmin fp32 [n, 1], else None): the table above.
+def _h(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16)
+
+
 def _q8_0(b):
-    return (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8), _f16(b[:, :2]), None
+    q = (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return q, _h(b[:, :2]), None, None, None
 
 
 def _q4_0(b):
-    return _cat_nibbles(b[:, 2:18]), _f16(b[:, :2]), None
+    return _cat_nibbles(b[:, 2:18]), _h(b[:, :2]), None, None, None
 
 
 def _q5_0(b):
-    return _cat_nibbles(b[:, 6:22]) | (_bits_of(b[:, 2:6], 32) << 4), _f16(b[:, :2]), None
+    q = _cat_nibbles(b[:, 6:22]) | (_bits_of(b[:, 2:6], 32) << 4)
+    return q, _h(b[:, :2]), None, None, None
 
 
 def _q4_1(b):
-    return _cat_nibbles(b[:, 4:20]), _f16(b[:, :2]), -_f16(b[:, 2:4])
+    return _cat_nibbles(b[:, 4:20]), _h(b[:, :2]), -_h(b[:, 2:4]), None, None
 
 
 def _q5_1(b):
     q = _cat_nibbles(b[:, 8:24]) | (_bits_of(b[:, 4:8], 32) << 4)
-    return q, _f16(b[:, :2]), -_f16(b[:, 2:4])
+    return q, _h(b[:, :2]), -_h(b[:, 2:4]), None, None
 
 
 def _q45_k(b, five: bool):
@@ -131,7 +149,7 @@ def _q45_k(b, five: bool):
         qh = b[:, 16:48]
         shifts = torch.arange(8, dtype=torch.uint8)
         q = q | (((qh[:, None, :] >> shifts[None, :, None]) & 1) << 4)
-    return q.reshape(n, 256), dm[:, :1] * sc.float(), dm[:, 1:] * mn.float()
+    return q.reshape(n, 256), sc, mn, dm[:, :1], dm[:, 1:]
 
 
 def _q6_k(b):
@@ -142,22 +160,19 @@ def _q6_k(b):
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
     high = ((qh[:, :, None, :] >> shifts[None, None, :, None]) & 3).reshape(n, 2, 128)
     q = (low | (high << 4)).reshape(n, 256)
-    scale = _f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()
-    return q, scale, None
+    return q, b[:, 192:208].view(torch.int8), None, _f16(b[:, 208:210]), None
 
 
-# type -> (decoder, bits, G, offset, scale dtype): fp16 where the block's scale (and min) is
-# one fp16 field, exactly; fp32 for the K-quants' d * sub-scale products
-_F16, _F32 = torch.float16, torch.float32
+# type -> (decoder, bits, G, offset)
 _TYPES = {
-    _T.Q8_0: (_q8_0, 8, 32, 128, _F16),
-    _T.Q4_0: (_q4_0, 4, 32, 8, _F16),
-    _T.Q5_0: (_q5_0, 5, 32, 16, _F16),
-    _T.Q4_1: (_q4_1, 4, 32, 0, _F16),
-    _T.Q5_1: (_q5_1, 5, 32, 0, _F16),
-    _T.Q4_K: (lambda b: _q45_k(b, False), 4, 32, 0, _F32),
-    _T.Q5_K: (lambda b: _q45_k(b, True), 5, 32, 0, _F32),
-    _T.Q6_K: (_q6_k, 6, 16, 32, _F32),
+    _T.Q8_0: (_q8_0, 8, 32, 128),
+    _T.Q4_0: (_q4_0, 4, 32, 8),
+    _T.Q5_0: (_q5_0, 5, 32, 16),
+    _T.Q4_1: (_q4_1, 4, 32, 0),
+    _T.Q5_1: (_q5_1, 5, 32, 0),
+    _T.Q4_K: (lambda b: _q45_k(b, False), 4, 32, 0),
+    _T.Q5_K: (lambda b: _q45_k(b, True), 5, 32, 0),
+    _T.Q6_K: (_q6_k, 6, 16, 32),
 }
 PACKABLE_TYPES = frozenset(_TYPES)
 
@@ -200,7 +215,7 @@ def pack_gguf(
     t = _T(int(ggml_type))
     if not can_pack(t, shape):
         raise ValueError(f"{t.name} tensor of shape {tuple(shape)} cannot be packed (K % 64)")
-    decode, bits, group, offset, scale_dtype = _TYPES[t]
+    decode, bits, group, offset = _TYPES[t]
     n, k = shape
     block, type_size = GGML_QUANT_SIZES[t]
     data = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(raw))
@@ -212,23 +227,36 @@ def pack_gguf(
     quads = k // 4 if bits == 8 else k // 8
     qs = torch.zeros(tiles, quads, 64, dtype=torch.uint8)
     qh = torch.zeros(tiles, k // 8, 16 * (bits - 4), dtype=torch.uint8) if bits in (5, 6) else None
-    scales = torch.zeros(tiles, k // group, TILE_ROWS, dtype=scale_dtype)
-    mins = None
+    fields: dict[str, torch.Tensor] = {}  # scales, mins, super_scales, super_mins
     step = max(1, _ROW_CHUNK_VALUES // k // TILE_ROWS) * TILE_ROWS
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        q, sc, mn = decode(blocks[r0:r1].reshape(-1, type_size))
+        q, *parts = decode(blocks[r0:r1].reshape(-1, type_size))
         rows = -(-(r1 - r0) // TILE_ROWS) * TILE_ROWS  # the last tile padded with zeros
         t0, t1 = r0 // TILE_ROWS, r0 // TILE_ROWS + rows // TILE_ROWS
         qs[t0:t1], h = _tiles(_pad_rows(q.reshape(r1 - r0, k), rows), bits)
         if qh is not None:
             qh[t0:t1] = h
-        scales[t0:t1] = _row_tiles(sc.reshape(r1 - r0, -1), rows)
-        if mn is not None:
-            if mins is None:
-                mins = torch.zeros(tiles, k // group, TILE_ROWS, dtype=scale_dtype)
-            mins[t0:t1] = _row_tiles(mn.reshape(r1 - r0, -1), rows)
-    return PackedGGUFWeight(qs, qh, scales, mins, bits, group, offset, int(t), n)
+        for name, part in zip(("scales", "mins", "super_scales", "super_mins"), parts):
+            if part is None:
+                continue
+            v = _row_tiles(part.reshape(r1 - r0, -1), rows)
+            if name not in fields:
+                fields[name] = torch.zeros(tiles, *v.shape[1:], dtype=v.dtype)
+            fields[name][t0:t1] = v
+    return PackedGGUFWeight(
+        qs,
+        qh,
+        fields["scales"],
+        fields.get("mins"),
+        bits,
+        group,
+        offset,
+        int(t),
+        n,
+        fields.get("super_scales"),
+        fields.get("super_mins"),
+    )
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
