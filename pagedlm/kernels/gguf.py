@@ -100,8 +100,8 @@ def matmul_args(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple, tuple]:
     """(y, the checked pointer arguments both kernels take first: x, qs, qh, scales, mins,
-    super_scales, super_mins, bias, y; then M, N, K, bits, group, offset, scale kind, bf16).
-    `out`: y given, [M, N] with contiguous rows (the GEMV only)."""
+    super_scales, super_mins, bias, y; then ldy, M, N, K, bits, group, offset, scale kind,
+    bf16). `out`: y given, [M, N] with contiguous rows (e.g. columns of a wider tensor)."""
     n, k = w.shape
     x = x.contiguous()
     m = x.shape[0]
@@ -116,7 +116,7 @@ def matmul_args(
         None if bias is None else checked(fn, "bias", bias.contiguous(), x.dtype, (n,)),
         y.data_ptr(),
     )
-    return y, pointers, (m, n, k, *_layout(w), int(x.dtype == torch.bfloat16))
+    return y, pointers, (y.stride(0), m, n, k, *_layout(w), int(x.dtype == torch.bfloat16))
 
 
 # x, qs, qh, scales, mins, super_scales, super_mins, bias, y, ldy, M, N, K, bits, group,
@@ -137,7 +137,7 @@ def gemv_args(
     the decode plan, which calls the kernel with it directly."""
     isa = isa or gguf_isa()
     y, pointers, sizes = matmul_args("gguf_gemv", x, w, bias, out)
-    return y, (*pointers, y.stride(0), *sizes, _ISA_CODES[isa], torch.get_num_threads())
+    return y, (*pointers, *sizes, _ISA_CODES[isa], torch.get_num_threads())
 
 
 def gguf_gemv(
@@ -160,10 +160,21 @@ def gguf_gemv(
 
 
 declare("gguf_gemm_compiled", [], _int)
-# x, qs, qh, scales, mins, super_scales, super_mins, bias, y, M, N, K, bits, group, offset,
-# scale kind, bf16, num_threads -> 1 if computed (0: bad layout, no AVX-512 VNNI compiled in,
-# or out of memory)
-declare("gguf_gemm", [_ptr] * 9 + [_i64] * 3 + [_int] * 6, _int)
+# x, qs, qh, scales, mins, super_scales, super_mins, bias, y, ldy, M, N, K, bits, group,
+# offset, scale kind, bf16, num_threads -> 1 if computed (0: bad layout, no AVX-512 VNNI
+# compiled in, or out of memory)
+declare("gguf_gemm", [_ptr] * 9 + [_i64] * 4 + [_int] * 6, _int)
+
+
+def gemm_args(
+    x: torch.Tensor,
+    w: PackedGGUFWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple]:
+    """(y, the whole checked argument tuple of the C `gguf_gemm`), as `gemv_args`."""
+    y, pointers, sizes = matmul_args("gguf_gemm", x, w, bias, out)
+    return y, (*pointers, *sizes, torch.get_num_threads())
 
 
 def gguf_gemm(
@@ -174,8 +185,8 @@ def gguf_gemm(
     lib = cpu_kernels()
     if lib is None or not lib.gguf_gemm_compiled():
         return None
-    y, pointers, sizes = matmul_args("gguf_gemm", x, w, bias)
-    if not lib.gguf_gemm(*pointers, *sizes, torch.get_num_threads()):
+    y, args = gemm_args(x, w, bias)
+    if not lib.gguf_gemm(*args):
         raise MemoryError("gguf_gemm: out of memory")
     return y
 

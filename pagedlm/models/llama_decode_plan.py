@@ -3,16 +3,18 @@ kernel calls over persistent buffers.
 
 The modules' forward spends ~0.3 ms of Python per layer on a decode step (module calls,
 argument checks, small tensor allocations): a third of a batch-1 step with packed GGUF
-weights, a fifth with bf16 ones. The plan makes the same kernel calls, in the same order, on
-the same values, so its hidden states equal the modules' bit for bit; its arguments are
-checked once, when it is built. vLLM's CUDA graphs play this part on GPUs.
+weights, a fifth with bf16 ones, a few percent of a batch-64 one. The plan makes the same
+kernel calls, in the same order, on the same values, so its hidden states equal the modules'
+bit for bit; its arguments are checked once, when it is built. vLLM's CUDA graphs play this
+part on GPUs.
 
 It applies (`LlamaDecodePlan.supports`) when every linear runs a kernel the plan replays
-(`_linear_kind`: packed GGUF groups, whose GEMV writes straight into columns of the fused
-outputs, or bf16 weights blocked for the AVX-512 BF16 small-batch kernel), the C attention
-backend runs, one dtype holds activations, norms and the KV cache, and tensor parallelism is
-off. The model runner uses it for decode-only steps of up to MAX_ROWS sequences without LoRA
-adapters or speculative decoding. A plan keeps the tensors it was built from; `current()` is
+(`_linear_kind`: packed GGUF groups, whose GEMV or GEMM writes straight into columns of the
+fused outputs, or bf16 weights blocked for the AVX-512 BF16 small-batch kernel), the C
+attention backend runs, one dtype holds activations, norms and the KV cache, and tensor
+parallelism is off. The model runner keeps one plan per batch size, up to `max_rows` (64)
+sequences, for decode-only steps without LoRA adapters or speculative decoding; all share one
+set of buffers (`DecodeBuffers`). A plan keeps the tensors it was built from; `current()` is
 False once any of them was replaced (weights reloaded, KV cache re-allocated after sleep), and
 the runner builds a new one. PAGEDLM_DISABLE_DECODE_PLAN=1 turns it off.
 """
@@ -28,6 +30,7 @@ from pagedlm.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from pagedlm.distributed import get_tp_group
 from pagedlm.kernels import cpu as kc
 from pagedlm.kernels import gguf as kg
+from pagedlm.kernels.cpu import SMALL_BATCH_ROWS
 from pagedlm.kernels.cpu_attention import _check_paged_inputs
 from pagedlm.layers.activation import SiluAndMul
 from pagedlm.layers.attention import Attention
@@ -42,7 +45,7 @@ from pagedlm.models.llama import (
     LlamaModel,
 )
 
-MAX_ROWS = GEMV_ROWS
+MAX_ROWS = SMALL_BATCH_ROWS  # the packed GGUF GEMM and the small-batch bf16 kernel reach here
 
 # How a call reports success: C kernels return 1 (0: out of memory), the attention kernel 0;
 # torch methods return tensors.
@@ -67,40 +70,45 @@ def _linear_kind(linear: nn.Module) -> str | None:
     return "blocked" if blocked else None
 
 
+class DecodeBuffers:
+    """The persistent inputs and activations of decode plans, for up to `rows` sequences;
+    the plan of n sequences uses the first n rows of each."""
+
+    def __init__(self, model: LlamaForCausalLM, rows: int, max_blocks: int) -> None:
+        first = model.model.layers[0]
+        attn: LlamaAttention = first.self_attn
+        self.rows, self.dtype = rows, first.input_layernorm.weight.dtype
+        hidden, inter = first.input_layernorm.weight.shape[0], first.mlp.down_proj.input_size
+
+        def new(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
+            return torch.zeros(rows, *shape, dtype=dtype)
+
+        # per-step inputs, copied in by LlamaDecodePlan.run
+        self.positions, self.slots, self.seq_lens = (new(dtype=torch.int64) for _ in range(3))
+        self.block_table = new(max_blocks, dtype=torch.int64)
+        # activations
+        self.residual, self.x, self.h, self.o, self.out = (new(hidden) for _ in range(5))
+        self.qkv = new(attn.q_size + 2 * attn.kv_size)
+        self.query = new(attn.num_heads, attn.head_dim)  # contiguous queries (rows > 1)
+        self.attn_out = new(attn.q_size)
+        self.gate_up, self.act = new(2 * inter), new(inter)
+
+
 class LlamaDecodePlan:
     """The decode step of `model` for exactly `rows` sequences (see the module docstring)."""
 
-    def __init__(self, model: LlamaForCausalLM, rows: int, max_blocks: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, rows: int, buffers: DecodeBuffers) -> None:
         lib = kc.cpu_kernels()
-        assert lib is not None and self.supports(model) and 1 <= rows <= MAX_ROWS
+        assert lib is not None and 1 <= rows <= self.max_rows(model) <= buffers.rows
         inner = model.model
         self.model, self.rows = model, rows
         self._watched = self._sources(model)
-        first = inner.layers[0]
-        attn0: LlamaAttention = first.self_attn
-        self.dtype = first.input_layernorm.weight.dtype
-        hidden = first.input_layernorm.weight.shape[0]
+        self.dtype = buffers.dtype
         self._bf16 = kc.is_bf16(torch.empty(0, dtype=self.dtype))
         self._threads = torch.get_num_threads()
-
-        def new(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype)
-
-        # per-step inputs, copied in by run()
-        self.positions = new(rows, dtype=torch.int64)
-        self.slots = new(rows, dtype=torch.int64)
-        self.block_table = new(rows, max_blocks, dtype=torch.int64)
-        self.seq_lens = new(rows, dtype=torch.int64)
-        # activations
-        q_size, kv_size = attn0.q_size, attn0.kv_size
-        self.residual, self.x, self.h = new(rows, hidden), new(rows, hidden), new(rows, hidden)
-        self.qkv = new(rows, q_size + 2 * kv_size)
-        self.query = new(rows, attn0.num_heads, attn0.head_dim)  # contiguous q (rows > 1)
-        self.attn_out = new(rows, q_size)
-        self.o = new(rows, hidden)
-        inter = first.mlp.down_proj.input_size
-        self.gate_up, self.act = new(rows, 2 * inter), new(rows, inter)
-        self.out = new(rows, hidden)
+        for name, buffer in vars(buffers).items():  # this step's rows of each buffer
+            if isinstance(buffer, torch.Tensor):
+                setattr(self, name, buffer[:rows])
         self.calls: list[tuple[Callable, tuple, int | None]] = []  # (fn, args, status kind)
         self._biases: list[torch.Tensor] = []  # dtype copies whose pointers the calls hold
         for i, layer in enumerate(inner.layers):
@@ -108,6 +116,16 @@ class LlamaDecodePlan:
         self._norm(lib, inner.norm, self.x, self.residual, self.out)
 
     # ------------------------------------------------------------------------ eligibility
+
+    @staticmethod
+    def max_rows(model: nn.Module) -> int:
+        """The most sequences a plan of `model` replays: MAX_ROWS, or GEMV_ROWS where packed
+        GGUF layers would take a dequantized float GEMM past that (no AVX-512 VNNI)."""
+        lib = kc.cpu_kernels()
+        has_gguf = any(isinstance(m.quant_method, GGUFLinearMethod)
+                       for m in model.modules() if hasattr(m, "quant_method"))  # fmt: skip
+        gemm = lib is not None and lib.gguf_gemm_compiled()
+        return MAX_ROWS if gemm or not has_gguf else GEMV_ROWS
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -223,12 +241,17 @@ class LlamaDecodePlan:
             )
             self.calls.append((lib.gemv_bf16_blocked, args, _OK_NONZERO))
             return
+        gemv = self.rows <= GEMV_ROWS  # as gguf_linear chooses
         for g in linear.gguf_groups:
             b = None if bias is None else bias[g.offset : g.offset + g.rows].to(self.dtype)
             if b is not None:
                 self._biases.append(b)
-            _, args = kg.gemv_args(x, g.packed, b, out=y[:, g.offset : g.offset + g.rows])
-            self.calls.append((lib.gguf_gemv, args, _OK_NONZERO))
+            columns = y[:, g.offset : g.offset + g.rows]
+            if gemv:
+                _, args = kg.gemv_args(x, g.packed, b, out=columns)
+            else:
+                _, args = kg.gemm_args(x, g.packed, b, out=columns)
+            self.calls.append((lib.gguf_gemv if gemv else lib.gguf_gemm, args, _OK_NONZERO))
 
     def _layer(self, lib, layer: LlamaDecoderLayer, first_layer: bool) -> None:
         attn, mlp, rows = layer.self_attn, layer.mlp, self.rows

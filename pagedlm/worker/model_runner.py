@@ -34,8 +34,7 @@ from pagedlm.lora.layers import activate as activate_lora
 from pagedlm.lora.manager import WorkerLoRAManager
 from pagedlm.lora.worker_mixin import lora_step_mapping
 from pagedlm.model_loader.loader import get_model
-from pagedlm.models.llama_decode_plan import MAX_ROWS as DECODE_PLAN_ROWS
-from pagedlm.models.llama_decode_plan import LlamaDecodePlan
+from pagedlm.models.llama_decode_plan import DecodeBuffers, LlamaDecodePlan
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagedlm.spec_decode.rejection_sampler import verify_greedy, verify_random
@@ -69,7 +68,8 @@ class ModelRunner:
             self.proposer = DraftModelProposer(vllm_config, device)
         elif spec is not None:
             self.proposer = NgramProposer(spec)
-        self._plan_support: bool | None = None  # decided once the KV cache exists
+        self._plan_rows: int | None = None  # decided once the KV cache exists; 0: no plans
+        self._plan_buffers: DecodeBuffers | None = None
         self._decode_plans: dict[int, LlamaDecodePlan] = {}  # by number of sequences
         self.lora_manager: WorkerLoRAManager | None = None
         if vllm_config.lora_config is not None:
@@ -105,7 +105,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.attn_layers, num_blocks, block_size, dtype)
         for layer in self.attn_layers:
             layer.calculate_kv_scales = self.vllm_config.cache_config.calculate_kv_scales
-        self._plan_support = None
+        self._plan_rows = None
         if isinstance(self.proposer, DraftModelProposer):
             allocate_kv_caches(self.proposer.attn_layers, num_blocks, block_size, dtype)
 
@@ -161,19 +161,22 @@ class ModelRunner:
     def _decode_plan(self, num_tokens: int, attn_metadata) -> LlamaDecodePlan | None:
         """The prepared kernel calls for a decode-only step of up to MAX_ROWS sequences, where
         the model supports them (models/llama_decode_plan.py); None: run the modules."""
-        if self._plan_support is None:
-            self._plan_support = not envs.PAGEDLM_DISABLE_DECODE_PLAN and LlamaDecodePlan.supports(
+        if self._plan_rows is None:
+            supported = not envs.PAGEDLM_DISABLE_DECODE_PLAN and LlamaDecodePlan.supports(
                 self.model
             )
+            self._plan_rows = LlamaDecodePlan.max_rows(self.model) if supported else 0
+            self._plan_buffers, self._decode_plans = None, {}
         decode_only = getattr(attn_metadata, "num_decode_tokens", -1) == num_tokens
-        if not (self._plan_support and decode_only and num_tokens <= DECODE_PLAN_ROWS):
+        if not (decode_only and num_tokens <= self._plan_rows):
             return None
         plan = self._decode_plans.get(num_tokens)
         if plan is None or not plan.current():
-            max_blocks = cdiv(self.model_config.max_model_len, self.block_size)
-            plan = self._decode_plans[num_tokens] = LlamaDecodePlan(
-                self.model, num_tokens, max_blocks
-            )
+            if self._plan_buffers is None:
+                max_blocks = cdiv(self.model_config.max_model_len, self.block_size)
+                self._plan_buffers = DecodeBuffers(self.model, self._plan_rows, max_blocks)
+            plan = LlamaDecodePlan(self.model, num_tokens, self._plan_buffers)
+            self._decode_plans[num_tokens] = plan
         return plan
 
     def _sample(

@@ -43,7 +43,7 @@ def _generate(model, tokenizer, max_num_seqs: int, dtype: str) -> list:
     "source,dtype",
     [("gguf", "float32"), ("gguf", "bfloat16"), ("dense", "bfloat16")],
 )
-@pytest.mark.parametrize("max_num_seqs", [1, 3])
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 6])
 def test_decode_plan_equals_modules(
     tiny_llama,
     mixed_gguf,  # noqa: F811

@@ -158,20 +158,20 @@ int gguf_gemm_compiled(void) {
 #endif
 }
 
-// y [M, N] (bf16 or fp32, as x) = x W^T (+ bias, in x's dtype). Returns 1 if computed; 0 for
-// bad arguments, no AVX-512 VNNI compiled in, or out of memory.
+// y [M, N] (bf16 or fp32, as x; rows ldy >= N elements apart) = x W^T (+ bias, in x's dtype).
+// Returns 1 if computed; 0 for bad arguments, no AVX-512 VNNI compiled in, or out of memory.
 int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* scales,
               const void* mins, const float* sup, const float* msup, const void* bias, void* y,
-              int64_t M, int64_t N, int64_t K, int bits, int group, int offset, int kind,
-              int bf16, int num_threads) {
+              int64_t ldy, int64_t M, int64_t N, int64_t K, int bits, int group, int offset,
+              int kind, int bf16, int num_threads) {
 #ifndef PAGEDLM_VNNI
   (void)x, (void)qs, (void)qh, (void)scales, (void)mins, (void)sup, (void)msup, (void)bias;
-  (void)y, (void)M, (void)N, (void)K, (void)bits, (void)group, (void)offset, (void)kind;
+  (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)bits, (void)group, (void)offset, (void)kind;
   (void)bf16, (void)num_threads;
   return 0;
 #else
   const QWeight w = {qs, qh, scales, mins, sup, msup, N, K, bits, group, offset, kind};
-  if (!valid(&w) || M < 1) return 0;
+  if (!valid(&w) || M < 1 || ldy < N) return 0;
   const int64_t subs = K / group, tiles = (N + NT - 1) / NT;
   int ok = 1;
   // One synchronization point (the region's end; a stalled thread at a barrier costs a whole
@@ -204,7 +204,7 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
           float out[MR_MAX * NT];
           micro_any(&w, wt, sT, mT, &a, m0, mr, out);
           for (int i = 0; i < mr; i++) {
-            const int64_t at = (m0 + i) * N + n0;
+            const int64_t at = (m0 + i) * ldy + n0;
             for (int j = 0; j < cols; j++) out[i * NT + j] += bv[j];
             if (cols == NT) {
               store16(y, at, _mm512_loadu_ps(out + i * NT), bf16);
