@@ -53,9 +53,9 @@ _OK_NONZERO, _OK_ZERO, _NO_STATUS = 1, 0, None
 
 
 def _linear_kind(linear: nn.Module) -> str | None:
-    """ "gguf": every group packed (the integer GEMV runs); "blocked": a bf16 weight in the
-    AVX-512 BF16 small-batch layout next to its prepacked copy (the module path's
-    `gemv_bf16_blocked`); None: a path the plan does not replay."""
+    """Which kernel the layer runs on a small batch: "gguf" (every group packed: the integer
+    GEMV / GEMM), "blocked" (a bf16 weight in the AVX-512 BF16 small-batch layout next to its
+    prepacked copy: `gemv_bf16_blocked`), or None (a path the plan does not replay)."""
     method = linear.quant_method
     if isinstance(method, GGUFLinearMethod):
         return "gguf" if all(g.packed is not None for g in linear.gguf_groups) else None
