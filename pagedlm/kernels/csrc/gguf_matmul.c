@@ -12,7 +12,8 @@
 // int32 lanes (one per weight row) start at -offset * (sum of g's activation quants) and take
 // G / 4 vpdpbusd steps, each a k-quad vector of weight quants (u8) against 4 activation quants
 // (s8) broadcast: exact integer sums, then fp32 acc += (float)sum * (scale x d), and with mins
-// acc -= min * d * (sum of quants). The portable path does the same arithmetic in plain C.
+// acc -= min * d * (sum of quants); scales and mins decoded as stored (fp16, or 8-bit
+// sub-scales times the super-block's fp32 d). The portable path does the same in plain C.
 //
 // Larger batches (`gguf_gemm`, gguf_gemm.c): the same activation quantization, tile pairs
 // unpacked to bytes in a per-thread scratch, a register-blocked vpdpbusd GEMM.
