@@ -92,7 +92,7 @@ def _layout(w: PackedGGUFWeight) -> tuple[int, int, int, int]:
     return w.bits, w.group, w.offset, _SCALE_KINDS[w.scales.dtype]
 
 
-def matmul_args(
+def _matmul_args(
     fn: str,
     x: torch.Tensor,
     w: PackedGGUFWeight,
@@ -136,7 +136,7 @@ def gemv_args(
     """(y, the whole checked argument tuple of the C `gguf_gemv`) for `gguf_gemv` below and
     the decode plan, which calls the kernel with it directly."""
     isa = isa or gguf_isa()
-    y, pointers, sizes = matmul_args("gguf_gemv", x, w, bias, out)
+    y, pointers, sizes = _matmul_args("gguf_gemv", x, w, bias, out)
     return y, (*pointers, *sizes, _ISA_CODES[isa], torch.get_num_threads())
 
 
@@ -173,7 +173,7 @@ def gemm_args(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple]:
     """(y, the whole checked argument tuple of the C `gguf_gemm`), as `gemv_args`."""
-    y, pointers, sizes = matmul_args("gguf_gemm", x, w, bias, out)
+    y, pointers, sizes = _matmul_args("gguf_gemm", x, w, bias, out)
     return y, (*pointers, *sizes, torch.get_num_threads())
 
 
