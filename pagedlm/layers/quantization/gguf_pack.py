@@ -86,8 +86,13 @@ class PackedGGUFWeight:
         return v.transpose(1, 2).reshape(-1, v.shape[1])[: self.n]
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16).float()
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian byte pairs [n, 2m] -> their fp16 values [n, m]."""
+    return b.contiguous().view(torch.float16)
+
+
+def _fp16_as_fp32(b: torch.Tensor) -> torch.Tensor:
+    return _fp16(b).float()
 
 
 def _cat_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -111,37 +116,33 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Per type: raw blocks [n, type_size] -> (q uint8 [n, values], scale [n, subs], min [n, subs]
 # or None, and for K-quants d and dmin fp32 [n, 1], else None): the table above.
-def _h(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16)
-
-
 def _q8_0(b):
     q = (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return q, _h(b[:, :2]), None, None, None
+    return q, _fp16(b[:, :2]), None, None, None
 
 
 def _q4_0(b):
-    return _cat_nibbles(b[:, 2:18]), _h(b[:, :2]), None, None, None
+    return _cat_nibbles(b[:, 2:18]), _fp16(b[:, :2]), None, None, None
 
 
 def _q5_0(b):
     q = _cat_nibbles(b[:, 6:22]) | (_bits_of(b[:, 2:6], 32) << 4)
-    return q, _h(b[:, :2]), None, None, None
+    return q, _fp16(b[:, :2]), None, None, None
 
 
 def _q4_1(b):
-    return _cat_nibbles(b[:, 4:20]), _h(b[:, :2]), -_h(b[:, 2:4]), None, None
+    return _cat_nibbles(b[:, 4:20]), _fp16(b[:, :2]), -_fp16(b[:, 2:4]), None, None
 
 
 def _q5_1(b):
     q = _cat_nibbles(b[:, 8:24]) | (_bits_of(b[:, 4:8], 32) << 4)
-    return q, _h(b[:, :2]), -_h(b[:, 2:4]), None, None
+    return q, _fp16(b[:, :2]), -_fp16(b[:, 2:4]), None, None
 
 
 def _q45_k(b, five: bool):
     n = b.shape[0]
     sc, mn = _k_scale_min(b[:, 4:16])
-    dm = _f16(b[:, :4])
+    dm = _fp16_as_fp32(b[:, :4])
     qs = b[:, 48:176] if five else b[:, 16:144]
     chunks = qs.reshape(n, 4, 32)  # chunk c: sub-block 2c (low), 2c + 1 (high nibbles)
     q = torch.stack((chunks & 15, chunks >> 4), dim=2).reshape(n, 8, 32)
@@ -160,7 +161,7 @@ def _q6_k(b):
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
     high = ((qh[:, :, None, :] >> shifts[None, None, :, None]) & 3).reshape(n, 2, 128)
     q = (low | (high << 4)).reshape(n, 256)
-    return q, b[:, 192:208].view(torch.int8), None, _f16(b[:, 208:210]), None
+    return q, b[:, 192:208].view(torch.int8), None, _fp16_as_fp32(b[:, 208:210]), None
 
 
 # type -> (decoder, bits, G, offset)
