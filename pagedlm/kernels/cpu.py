@@ -195,6 +195,31 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
 declare("rms_norm", [_ptr] * 4 + [_i64, _i64, _f32, _f32, _int, _int], _int)
 
 
+def rms_norm_args(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    out: torch.Tensor,
+) -> tuple:
+    """The checked arguments of the C `rms_norm` (x contiguous; out like x)."""
+    fn = "rms_norm"
+    hidden = x.shape[-1]
+    return (
+        checked(fn, "x", x, _FLOATS),
+        None if residual is None else checked(fn, "residual", residual, x.dtype, tuple(x.shape)),
+        checked(fn, "weight", weight, x.dtype, (hidden,)),
+        checked(fn, "out", out, x.dtype, tuple(x.shape)),
+        x.numel() // hidden,
+        hidden,
+        eps,
+        offset,
+        is_bf16(x),
+        _threads(),
+    )
+
+
 def rms_norm(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -204,37 +229,34 @@ def rms_norm(
     offset: float,
 ) -> torch.Tensor:
     """RMSNorm of x (+ residual) over the last dim; `residual` becomes x + residual in place."""
-    fn = "rms_norm"
-    hidden = x.shape[-1]
     x = x.contiguous()
     out = torch.empty_like(x)
-    status = lib.rms_norm(
-        checked(fn, "x", x, _FLOATS),
-        None if residual is None else checked(fn, "residual", residual, x.dtype, tuple(x.shape)),
-        checked(fn, "weight", weight, x.dtype, (hidden,)),
-        out.data_ptr(),
-        x.numel() // hidden,
-        hidden,
-        eps,
-        offset,
-        is_bf16(x),
-        _threads(),
-    )
-    _ok(fn, status)
+    _ok("rms_norm", lib.rms_norm(*rms_norm_args(x, residual, weight, eps, offset, out)))
     return out
 
 
 declare("silu_and_mul", [_ptr, _ptr, _i64, _i64, _int, _int], _int)  # x, out, rows, d -> 0: OOM
 
 
+def silu_and_mul_args(x: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The checked arguments of the C `silu_and_mul` (x contiguous, out [..., d])."""
+    fn = "silu_and_mul"
+    d = x.shape[-1] // 2
+    return (
+        checked(fn, "x", x, _FLOATS),
+        checked(fn, "out", out, x.dtype, (*x.shape[:-1], d)),
+        x.numel() // (2 * d),
+        d,
+        is_bf16(x),
+        _threads(),
+    )
+
+
 def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     """[rows, 2d] = [gate | up] -> [rows, d] = silu(gate) * up."""
     x = x.contiguous()
-    d = x.shape[-1] // 2
-    out = x.new_empty(*x.shape[:-1], d)
-    ptr = checked("silu_and_mul", "x", x, _FLOATS)
-    status = lib.silu_and_mul(ptr, out.data_ptr(), x.numel() // (2 * d), d, is_bf16(x), _threads())
-    _ok("silu_and_mul", status)
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    _ok("silu_and_mul", lib.silu_and_mul(*silu_and_mul_args(x, out)))
     return out
 
 
@@ -247,20 +269,18 @@ declare(
 )
 
 
-def rotary_embedding(
-    lib: ctypes.CDLL,
-    positions: torch.Tensor,  # [tokens] int64
-    query: torch.Tensor,  # [tokens, q_heads * head_size], rows may be strided
-    key: torch.Tensor,  # [tokens, k_heads * head_size]
-    cos_cache: torch.Tensor,  # [max_position, rotary_dim] fp32
+def rotary_embedding_args(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     head_size: int,
-) -> None:
-    """NeoX RoPE applied in place to the first rotary_dim dims of each head."""
+) -> tuple:
+    """The checked arguments of the C `rotary_embedding` (positions contiguous)."""
     fn = "rotary_embedding"
     tokens = query.shape[0]
-    positions = positions.contiguous()
-    status = lib.rotary_embedding(
+    return (
         checked(fn, "query", query, _FLOATS, rows_strided=True),
         checked(fn, "key", key, query.dtype, rows_strided=True),
         checked(fn, "positions", positions, torch.int64, (tokens,)),
@@ -276,7 +296,22 @@ def rotary_embedding(
         is_bf16(query),
         _threads(),
     )
-    _ok(fn, status)
+
+
+def rotary_embedding(
+    lib: ctypes.CDLL,
+    positions: torch.Tensor,  # [tokens] int64
+    query: torch.Tensor,  # [tokens, q_heads * head_size], rows may be strided
+    key: torch.Tensor,  # [tokens, k_heads * head_size]
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim] fp32
+    sin_cache: torch.Tensor,
+    head_size: int,
+) -> None:
+    """NeoX RoPE applied in place to the first rotary_dim dims of each head."""
+    args = rotary_embedding_args(
+        positions.contiguous(), query, key, cos_cache, sin_cache, head_size
+    )
+    _ok("rotary_embedding", lib.rotary_embedding(*args))
 
 
 declare("small_batch_linear_supported", [], _int)  # AMX compiled in and granted by the OS
@@ -372,20 +407,32 @@ def unblock_small_batch_weight(blocked: torch.Tensor) -> torch.Tensor:
 declare("gemv_bf16_blocked", [_ptr] * 4 + [_i64] * 3 + [_int], _int)
 
 
-def _blocked_linear(
-    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor | None:
+def blocked_linear_args(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
+) -> tuple:
+    """The checked arguments of the C `gemv_bf16_blocked` (x, bias contiguous; y [M, N])."""
     fn = "small_batch_linear (blocked)"
     nblk, kp = weight.shape[:2]
     n = nblk * 16
-    x = x.contiguous()
     if x.shape[1] != 2 * kp:
         raise ValueError(f"{fn}: x {tuple(x.shape)} against weight {tuple(weight.shape)}")
-    args = (
+    return (
         checked(fn, "x", x, torch.bfloat16),
         checked(fn, "weight", weight, torch.bfloat16, (nblk, kp, 16, 2)),
-        None if bias is None else checked(fn, "bias", bias.contiguous(), torch.bfloat16, (n,)),
+        None if bias is None else checked(fn, "bias", bias, torch.bfloat16, (n,)),
+        checked(fn, "y", y, torch.bfloat16, (x.shape[0], n)),
+        x.shape[0],
+        nblk,
+        kp,
+        _threads(),
     )
-    y = x.new_empty(x.shape[0], n)
-    ok = lib.gemv_bf16_blocked(*args, y.data_ptr(), x.shape[0], nblk, kp, _threads())
+
+
+def _blocked_linear(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    y = x.new_empty(x.shape[0], weight.shape[0] * 16)
+    ok = lib.gemv_bf16_blocked(*blocked_linear_args(x, weight, bias, y))
     return y if ok else None

@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from pagedlm.kernels.cpu import declare, is_bf16
+from pagedlm.kernels.cpu import checked, declare, is_bf16
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 declare(
@@ -131,6 +131,53 @@ def paged_prefill_attention(
     return out
 
 
+def paged_decode_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    min_split: int = 0,
+) -> tuple:
+    """The checked arguments of the C `paged_decode_attention` (query and block_table
+    contiguous; out like query)."""
+    kind = _check_paged_inputs(query, k_cache, v_cache, block_table)
+    fn = "paged_decode_attention"
+    num_seqs, num_heads, head_size = query.shape
+    if seq_lens.dtype != torch.int64 or not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be a contiguous int64 tensor")
+    if seq_lens.shape != (num_seqs,) or block_table.shape[0] != num_seqs:
+        raise ValueError("one seq_lens entry and one block_table row per query row")
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    return (
+        checked(fn, "query", query, query.dtype),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        checked(fn, "block_table", block_table, torch.int64),
+        block_table.shape[1],
+        seq_lens.data_ptr(),
+        checked(fn, "out", out, query.dtype, tuple(query.shape)),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        scale,
+        sliding_window or 0,
+        is_bf16(query),
+        kind,
+        k_scale,
+        v_scale,
+        min_split,
+        torch.get_num_threads(),
+    )
+
+
 def paged_decode_attention(
     lib: ctypes.CDLL,
     query: torch.Tensor,  # [num_seqs, num_heads, head_size]
@@ -147,39 +194,22 @@ def paged_decode_attention(
     """One query row per sequence over its cached context (csrc/paged_decode.c); long contexts
     are split over the threads and merged (split-KV). min_split: fewest keys per split (0:
     the kernel's default)."""
-    kind = _check_paged_inputs(query, k_cache, v_cache, block_table)
     query = query.contiguous()
-    block_table = block_table.contiguous()
-    num_seqs, num_heads, head_size = query.shape
-    if seq_lens.dtype != torch.int64 or not seq_lens.is_contiguous():
-        raise ValueError("seq_lens must be a contiguous int64 tensor")
-    if seq_lens.shape != (num_seqs,) or block_table.shape[0] != num_seqs:
-        raise ValueError("one seq_lens entry and one block_table row per query row")
     out = torch.empty_like(query)
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    rc = lib.paged_decode_attention(
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_table.data_ptr(),
-        block_table.shape[1],
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_size,
-        block_size,
+    args = paged_decode_args(
+        query,
+        k_cache,
+        v_cache,
+        block_table.contiguous(),
+        seq_lens,
+        out,
         scale,
-        sliding_window or 0,
-        is_bf16(query),
-        kind,
+        sliding_window,
         k_scale,
         v_scale,
         min_split,
-        torch.get_num_threads(),
     )
-    if rc != 0:
+    if lib.paged_decode_attention(*args) != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch memory")
     return out
 

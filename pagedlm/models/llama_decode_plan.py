@@ -31,7 +31,7 @@ from pagedlm.distributed import get_tp_group
 from pagedlm.kernels import cpu as kc
 from pagedlm.kernels import gguf as kg
 from pagedlm.kernels.cpu import SMALL_BATCH_ROWS
-from pagedlm.kernels.cpu_attention import _check_paged_inputs
+from pagedlm.kernels.cpu_attention import paged_decode_args
 from pagedlm.layers.activation import SiluAndMul
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.layernorm import RMSNorm
@@ -104,8 +104,6 @@ class LlamaDecodePlan:
         self.model, self.rows = model, rows
         self._watched = self._sources(model)
         self.dtype = buffers.dtype
-        self._bf16 = kc.is_bf16(torch.empty(0, dtype=self.dtype))
-        self._threads = torch.get_num_threads()
         for name, buffer in vars(buffers).items():  # this step's rows of each buffer
             if isinstance(buffer, torch.Tensor):
                 setattr(self, name, buffer[:rows])
@@ -201,44 +199,15 @@ class LlamaDecodePlan:
     # --------------------------------------------------------------------------- building
 
     def _norm(self, lib, norm: RMSNorm, x, residual, out) -> None:
-        fn = "rms_norm"
-        hidden = x.shape[1]
-        self.calls.append(
-            (
-                lib.rms_norm,
-                (
-                    kc.checked(fn, "x", x, self.dtype),
-                    None if residual is None else kc.checked(fn, "residual", residual, self.dtype),
-                    kc.checked(fn, "weight", norm.weight, self.dtype, (hidden,)),
-                    kc.checked(fn, "out", out, self.dtype, tuple(x.shape)),
-                    self.rows,
-                    hidden,
-                    norm.eps,
-                    norm.offset,
-                    self._bf16,
-                    self._threads,
-                ),
-                _OK_NONZERO,
-            )
-        )
+        args = kc.rms_norm_args(x, residual, norm.weight, norm.eps, norm.offset, out)
+        self.calls.append((lib.rms_norm, args, _OK_NONZERO))
 
     def _linear(self, lib, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         """y = linear(x) as the layer's method computes it for these rows: one GEMV per packed
         GGUF group, into its columns of y; or the AVX-512 BF16 kernel on a blocked weight."""
         bias = linear.bias
         if _linear_kind(linear) == "blocked":
-            fn, w = "small_batch_linear (blocked)", linear.weight
-            nblk, kp = w.shape[:2]
-            args = (
-                kc.checked(fn, "x", x, torch.bfloat16, (self.rows, 2 * kp)),
-                kc.checked(fn, "weight", w, torch.bfloat16),
-                None if bias is None else kc.checked(fn, "bias", bias, torch.bfloat16),
-                kc.checked(fn, "y", y, torch.bfloat16, (self.rows, 16 * nblk)),
-                self.rows,
-                nblk,
-                kp,
-                self._threads,
-            )
+            args = kc.blocked_linear_args(x, linear.weight, bias, y)
             self.calls.append((lib.gemv_bf16_blocked, args, _OK_NONZERO))
             return
         gemv = self.rows <= GEMV_ROWS  # as gguf_linear chooses
@@ -264,31 +233,13 @@ class LlamaDecodePlan:
         k = self.qkv[:, attn.q_size : attn.q_size + attn.kv_size]
         v = self.qkv[:, attn.q_size + attn.kv_size :]
         rope = attn.rotary_emb
-        self.calls.append(
-            (
-                lib.rotary_embedding,
-                (
-                    q.data_ptr(),
-                    k.data_ptr(),
-                    self.positions.data_ptr(),
-                    kc.checked("rotary_embedding", "cos_cache", rope.cos_cache, torch.float32),
-                    kc.checked("rotary_embedding", "sin_cache", rope.sin_cache, torch.float32),
-                    rows,
-                    attn.num_heads,
-                    attn.num_kv_heads,
-                    q.stride(0),
-                    k.stride(0),
-                    attn.head_dim,
-                    rope.cos_cache.shape[1],
-                    self._bf16,
-                    self._threads,
-                ),
-                _OK_NONZERO,
-            )
+        args = kc.rotary_embedding_args(
+            self.positions, q, k, rope.cos_cache, rope.sin_cache, attn.head_dim
         )
+        self.calls.append((lib.rotary_embedding, args, _OK_NONZERO))
         layer_attn = attn.attn
         k_cache, v_cache = layer_attn.kv_cache[0], layer_attn.kv_cache[1]
-        num_blocks, block_size, kv_heads, head_size = k_cache.shape
+        kv_heads, head_size = k_cache.shape[2:]
         for cache, new in ((k_cache, k), (v_cache, v)):
             flat = cache.view(-1, kv_heads, head_size)
             source = new.view(rows, kv_heads, head_size)
@@ -297,53 +248,24 @@ class LlamaDecodePlan:
         if rows > 1:  # the kernel reads contiguous queries
             self.calls.append((self.query.copy_, (query,), _NO_STATUS))
             query = self.query
-        kind = _check_paged_inputs(query, k_cache, v_cache, self.block_table)
-        self.calls.append(
-            (
-                lib.paged_decode_attention,
-                (
-                    query.data_ptr(),
-                    k_cache.data_ptr(),
-                    v_cache.data_ptr(),
-                    self.block_table.data_ptr(),
-                    self.block_table.shape[1],
-                    self.seq_lens.data_ptr(),
-                    self.attn_out.data_ptr(),
-                    rows,
-                    attn.num_heads,
-                    kv_heads,
-                    head_size,
-                    block_size,
-                    layer_attn.scale,
-                    layer_attn.sliding_window or 0,
-                    self._bf16,
-                    kind,
-                    layer_attn.k_scale,
-                    layer_attn.v_scale,
-                    0,
-                    self._threads,
-                ),
-                _OK_ZERO,
-            )
+        args = paged_decode_args(
+            query,
+            k_cache,
+            v_cache,
+            self.block_table,
+            self.seq_lens,
+            self.attn_out.view(query.shape),
+            layer_attn.scale,
+            layer_attn.sliding_window,
+            layer_attn.k_scale,
+            layer_attn.v_scale,
         )
+        self.calls.append((lib.paged_decode_attention, args, _OK_ZERO))
         self._linear(lib, attn.o_proj, self.attn_out, self.o)
         self._norm(lib, layer.post_attention_layernorm, self.o, self.residual, self.h)
         self._linear(lib, mlp.gate_up_proj, self.h, self.gate_up)
-        inter = self.act.shape[1]
-        self.calls.append(
-            (
-                lib.silu_and_mul,
-                (
-                    self.gate_up.data_ptr(),
-                    self.act.data_ptr(),
-                    rows,
-                    inter,
-                    self._bf16,
-                    self._threads,
-                ),
-                _OK_NONZERO,
-            )
-        )
+        args = kc.silu_and_mul_args(self.gate_up, self.act)
+        self.calls.append((lib.silu_and_mul, args, _OK_NONZERO))
         self._linear(lib, mlp.down_proj, self.act, self.x)
 
     # ---------------------------------------------------------------------------- running
