@@ -13,6 +13,7 @@ The layout is `pagedlm.layers.quantization.gguf_pack.PackedGGUFWeight`; its PyTo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -34,13 +35,14 @@ def _isa_of(lib) -> str:
     return "avx512_vnni" if lib.gguf_vnni_compiled() else "portable"
 
 
+_WEIGHT_FIELDS = tuple(f.name for f in dataclasses.fields(PackedGGUFWeight))
+
+
 def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
     """The packed tensors' pointers (qs, qh, scales, mins, super_scales, super_mins), checked;
     cached on `w` (decode calls every layer each step) and re-checked whenever one of its
-    tensors or layout fields was replaced."""
-    key = (
-        w.qs, w.qh, w.scales, w.mins, w.super_scales, w.super_mins, w.bits, w.group, w.offset, w.n
-    )  # fmt: skip
+    fields was replaced."""
+    key = tuple(getattr(w, name) for name in _WEIGHT_FIELDS)
     cached = w.__dict__.get("_kernel_args")
     if cached is not None and all(
         a is b if isinstance(a, torch.Tensor) or a is None else a == b
@@ -68,8 +70,8 @@ def _check_weight(fn: str, w: PackedGGUFWeight) -> tuple:
     kind = _SCALE_KINDS[w.scales.dtype]
     needs_super = kind >= 2
     if needs_super != (w.super_scales is not None):
-        raise ValueError(f"{fn}: {w.scales.dtype} scales {'need' if needs_super else 'take no'} "
-                         "super_scales")  # fmt: skip
+        verb = "need" if needs_super else "take no"
+        raise ValueError(f"{fn}: {w.scales.dtype} scales {verb} super_scales")
     if (w.super_mins is not None) != (needs_super and w.mins is not None):
         raise ValueError(f"{fn}: super_mins go with the mins of super-block scales only")
     supers = [
