@@ -139,11 +139,20 @@ needs_gemm = pytest.mark.skipif(
 @needs_gemm
 @pytest.mark.parametrize(
     "m,n,k",
-    [(1, 40, 768), (6, 32, 256), (7, 72, 512), (9, 17, 768), (64, 100, 1280), (300, 33, 256)],
+    [
+        (1, 40, 768),
+        (6, 32, 256),
+        (7, 72, 512),
+        (9, 17, 768),
+        (64, 100, 1280),
+        (300, 33, 256),
+        (1101, 40, 1536),
+    ],
 )
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_quantized_gemm_equals_dequantized_matmul(t, m, n, k) -> None:
-    """Every microkernel height (M mod 6), partial column tiles, K-quants at K % 256 == 0."""
+    """Every microkernel height (M mod 6), partial column tiles, K-quants at K % 256 == 0;
+    1101 rows: threads split the rows, each in several L2-sized blocks."""
     w, x, bias = _case(t, m, n, k)
     _check_against_dequantized(kg.gguf_gemm(x, w, bias), w, x, bias)
 

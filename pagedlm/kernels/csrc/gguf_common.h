@@ -109,9 +109,11 @@ static inline void unpack_tile_portable(const QWeight* w, int64_t t, uint8_t* re
 }
 
 // x row (bf16 or fp32) -> int8 per 32-block; d[b] = amax / 127, q = x * (127 / amax) rounded
-// half to even (the AVX-512 path's conversion uses the default rounding mode, the same).
+// half to even (the AVX-512 path's conversion uses the default rounding mode, the same);
+// sums16 (NULL to skip): the sum of each 16 consecutive quants.
 static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, int8_t* restrict q,
-                                float* restrict d, float* restrict buf) {
+                                float* restrict d, int32_t* restrict sums16,
+                                float* restrict buf) {
 #ifdef PAGEDLM_AVX512
   (void)buf;
   for (int64_t b = 0; b < K / 32; b++) {
@@ -123,6 +125,10 @@ static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, i
     const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
     _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(i0));
     _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+    if (sums16 != NULL) {
+      sums16[2 * b] = _mm512_reduce_add_epi32(i0);  // |x * inv| <= 127: no saturation above
+      sums16[2 * b + 1] = _mm512_reduce_add_epi32(i1);
+    }
   }
 #else
   load_row(x, m * K, K, bf16, buf);
@@ -133,6 +139,11 @@ static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, i
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     d[b] = amax / 127.f;
     for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t)nearbyintf(v[i] * inv);
+    for (int h = 0; sums16 != NULL && h < 2; h++) {
+      int32_t total = 0;
+      for (int i = 0; i < 16; i++) total += q[32 * b + 16 * h + i];
+      sums16[2 * b + h] = total;
+    }
   }
 #endif
 }
@@ -165,16 +176,18 @@ static inline void free_act(QAct* a) {
   free(a->dsum);
 }
 
-// Row m of x into a; buf: K + K / 32 floats of scratch.
+// Floats of scratch quantize_act_row needs: the row, its 32-block scales, its 16-quant sums.
+static inline int64_t act_scratch(int64_t K) { return K + K / 32 + K / 16; }
+
+// Row m of x into a; buf: act_scratch(K) floats.
 static inline void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf16,
                                     const QAct* a, float* restrict buf) {
   const int64_t K = w->K, G = w->group, subs = K / G;
-  int8_t* q = a->q + m * K;
   float* d32 = buf + K;
-  quantize_row(x, m, K, bf16, q, d32, buf);
+  int32_t* sums16 = (int32_t*)(d32 + K / 32);
+  quantize_row(x, m, K, bf16, a->q + m * K, d32, sums16, buf);
   for (int64_t g = 0; g < subs; g++) {
-    int32_t total = 0;
-    for (int i = 0; i < G; i++) total += q[g * G + i];
+    const int32_t total = G == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
     const float d = d32[(g * G) >> 5];
     a->corr[m * subs + g] = -w->offset * total;
     a->d[m * subs + g] = d;

@@ -5,9 +5,12 @@
 // 1. x is quantized per row and 32-value block to int8 exactly as the GEMV does
 //    (quantize_act_row: per weight sub-block the offset correction, d, and d * sum for mins).
 // 2. W is cut into tiles of NT = 32 output columns (two packed 16-row tiles). A thread unpacks
-//    a tile once into a scratch of bytes in VNNI order [K / 4][32][4], scales and mins as
-//    [K / G][32]; a missing second half (N <= 16 past the first) is zeros.
-// 3. The microkernel holds MR activation rows x 32 columns: per sub-block, int32 accumulators
+//    a tile into a scratch of bytes in VNNI order (16 rows x 4 bytes per vector, as packed),
+//    scales and mins as [K / G][32]; a missing second half (N <= 16 past the first) is zeros.
+//    8-bit quants of a full pair are read in place, not copied.
+// 3. Rows are taken in blocks whose quantized activations fit in L2 next to the tile; with
+//    enough rows the threads split the rows, else the tiles.
+// 4. The microkernel holds MR activation rows x 32 columns: per sub-block, int32 accumulators
 //    start at corr and take G / 4 vpdpbusd steps (weight quant u8 x activation quant s8, exact);
 //    then fp32 acc += (float)(int sum) * d * scale (and -= min * d * sum with mins).
 // Every sum is exact in int32 (|sum| <= 32 * 255 * 127); the float rounding differs from the
@@ -19,6 +22,8 @@
 #ifdef PAGEDLM_VNNI
 #define NT 32    // output columns per tile (two 16-lane vectors)
 #define MR_MAX 6  // activation rows per microkernel call
+#define ACT_BLOCK_BYTES (384 * 1024)  // quantized activation rows per block (L2: 1 MiB)
+#define SPLIT_ROWS 256  // rows per thread from which threads split rows, not tiles
 
 static inline __m512 load_scales(const QWeight* w, int mins, int64_t t, int64_t g) {
   switch (w->kind) {
@@ -29,16 +34,26 @@ static inline __m512 load_scales(const QWeight* w, int mins, int64_t t, int64_t 
   }
 }
 
-// Columns n0 .. n0 + 31 (tiles 2 tp, 2 tp + 1) into wt [K / 4][32][4], sT and mT [K / G][32].
-static inline __attribute__((always_inline)) void unpack_tile(const QWeight* w, int64_t tp,
-                                                              uint8_t* restrict wt,
-                                                              float* restrict sT,
-                                                              float* restrict mT,
-                                                              const int BITS) {
+// Where the microkernel reads the 16-row x 4-byte VNNI quads of a tile pair: quad q of half h
+// at half[h] + q * step (64 bytes each). 8-bit weights of a full pair are read in place from
+// the packed tiles; others from the thread's unpacked copy.
+typedef struct {
+  const uint8_t* half[2];
+  int64_t step;
+} Quads;
+
+// Columns n0 .. n0 + 31 (tiles 2 tp, 2 tp + 1): scales and mins into sT and mT [K / G][32],
+// and the quads into wt [K / 4][32][4] unless they can be read in place (returned view).
+static inline __attribute__((always_inline)) Quads unpack_tile(const QWeight* w, int64_t tp,
+                                                               uint8_t* restrict wt,
+                                                               float* restrict sT,
+                                                               float* restrict mT,
+                                                               const int BITS) {
   const int64_t subs = w->K / w->group, tiles = num_tiles(w);
+  const int in_place = BITS == 8 && 2 * tp + 1 < tiles;
   for (int half = 0; half < 2; half++) {
     const int64_t t = 2 * tp + half;
-    for (int64_t s = 0; s < w->K / 8; s++) {
+    for (int64_t s = 0; !in_place && s < w->K / 8; s++) {
       __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
       if (t < tiles) kquad_pair(w, t, s, BITS, &lo, &hi);
       _mm512_store_si512(wt + (2 * s * NT + TILE * half) * 4, lo);
@@ -52,19 +67,22 @@ static inline __attribute__((always_inline)) void unpack_tile(const QWeight* w, 
         _mm512_store_ps(mT + g * NT + TILE * half, in ? load_scales(w, 1, t, g) : zero);
     }
   }
+  if (!in_place) return (Quads){{wt, wt + 64}, 2 * 64};
+  const uint8_t* first = w->qs + 2 * tp * (w->K / 4) * 64;
+  return (Quads){{first, first + (w->K / 4) * 64}, 64};
 }
 
-static void unpack_tile_any(const QWeight* w, int64_t tp, uint8_t* wt, float* sT, float* mT) {
+static Quads unpack_tile_any(const QWeight* w, int64_t tp, uint8_t* wt, float* sT, float* mT) {
   switch (w->bits) {
-    case 4: unpack_tile(w, tp, wt, sT, mT, 4); break;
-    case 5: unpack_tile(w, tp, wt, sT, mT, 5); break;
-    case 6: unpack_tile(w, tp, wt, sT, mT, 6); break;
-    default: unpack_tile(w, tp, wt, sT, mT, 8);
+    case 4: return unpack_tile(w, tp, wt, sT, mT, 4);
+    case 5: return unpack_tile(w, tp, wt, sT, mT, 5);
+    case 6: return unpack_tile(w, tp, wt, sT, mT, 6);
+    default: return unpack_tile(w, tp, wt, sT, mT, 8);
   }
 }
 
 // out[i][0 .. 31] = dots of activation rows m0 .. m0 + MR - 1 with the tile's 32 columns.
-static inline __attribute__((always_inline)) void micro(const uint8_t* restrict wt,
+static inline __attribute__((always_inline)) void micro(Quads wq,
                                                         const float* restrict sT,
                                                         const float* restrict mT,
                                                         const QAct* a, int64_t K, int64_t m0,
@@ -86,10 +104,11 @@ static inline __attribute__((always_inline)) void micro(const uint8_t* restrict 
   for (int64_t g = 0; g < subs; g++) {
     __m512i acc[MR_MAX][2];
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_set1_epi32(corr[i][g]);
-    const uint8_t* wp = wt + g * G * NT;
+    const uint8_t* w0p = wq.half[0] + g * (G / 4) * wq.step;
+    const uint8_t* w1p = wq.half[1] + g * (G / 4) * wq.step;
     for (int s = 0; s < G / 4; s++) {
-      const __m512i w0 = _mm512_load_si512(wp + s * 4 * NT);
-      const __m512i w1 = _mm512_load_si512(wp + s * 4 * NT + 64);
+      const __m512i w0 = _mm512_loadu_si512(w0p + s * wq.step);
+      const __m512i w1 = _mm512_loadu_si512(w1p + s * wq.step);
       for (int i = 0; i < MR; i++) {
         int32_t v;
         memcpy(&v, rows[i] + g * G + 4 * s, 4);
@@ -120,16 +139,16 @@ static inline __attribute__((always_inline)) void micro(const uint8_t* restrict 
 }
 
 #define MICRO_FOR(G, MINS)                                                                   \
-  static void micro_g##G##_m##MINS(const uint8_t* wt, const float* sT, const float* mT,      \
+  static void micro_g##G##_m##MINS(Quads wq, const float* sT, const float* mT,               \
                                    const QAct* a, int64_t K, int64_t m0, int mr,          \
                                    float* out) {                                             \
     switch (mr) {                                                                            \
-      case 6: micro(wt, sT, mT, a, K, m0, 6, G, MINS, out); break;                           \
-      case 5: micro(wt, sT, mT, a, K, m0, 5, G, MINS, out); break;                           \
-      case 4: micro(wt, sT, mT, a, K, m0, 4, G, MINS, out); break;                           \
-      case 3: micro(wt, sT, mT, a, K, m0, 3, G, MINS, out); break;                           \
-      case 2: micro(wt, sT, mT, a, K, m0, 2, G, MINS, out); break;                           \
-      default: micro(wt, sT, mT, a, K, m0, 1, G, MINS, out);                                 \
+      case 6: micro(wq, sT, mT, a, K, m0, 6, G, MINS, out); break;                           \
+      case 5: micro(wq, sT, mT, a, K, m0, 5, G, MINS, out); break;                           \
+      case 4: micro(wq, sT, mT, a, K, m0, 4, G, MINS, out); break;                           \
+      case 3: micro(wq, sT, mT, a, K, m0, 3, G, MINS, out); break;                           \
+      case 2: micro(wq, sT, mT, a, K, m0, 2, G, MINS, out); break;                           \
+      default: micro(wq, sT, mT, a, K, m0, 1, G, MINS, out);                                 \
     }                                                                                        \
   }
 MICRO_FOR(16, 0)
@@ -137,15 +156,15 @@ MICRO_FOR(16, 1)
 MICRO_FOR(32, 0)
 MICRO_FOR(32, 1)
 
-static void micro_any(const QWeight* w, const uint8_t* wt, const float* sT, const float* mT,
+static void micro_any(const QWeight* w, Quads wq, const float* sT, const float* mT,
                       const QAct* a, int64_t m0, int mr, float* out) {
   const int64_t K = w->K;
   if (w->group == 16) {
-    if (w->mins != NULL) micro_g16_m1(wt, sT, mT, a, K, m0, mr, out);
-    else micro_g16_m0(wt, sT, mT, a, K, m0, mr, out);
+    if (w->mins != NULL) micro_g16_m1(wq, sT, mT, a, K, m0, mr, out);
+    else micro_g16_m0(wq, sT, mT, a, K, m0, mr, out);
   } else {
-    if (w->mins != NULL) micro_g32_m1(wt, sT, mT, a, K, m0, mr, out);
-    else micro_g32_m0(wt, sT, mT, a, K, m0, mr, out);
+    if (w->mins != NULL) micro_g32_m1(wq, sT, mT, a, K, m0, mr, out);
+    else micro_g32_m0(wq, sT, mT, a, K, m0, mr, out);
   }
 }
 #endif
@@ -172,47 +191,59 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
 #else
   const QWeight w = {qs, qh, scales, mins, sup, msup, N, K, bits, group, offset, kind};
   if (!valid(&w) || M < 1 || ldy < N) return 0;
-  const int64_t subs = K / group, tiles = (N + NT - 1) / NT;
+  const int64_t subs = K / group, tiles = (N + NT - 1) / NT, elem = bf16 ? 2 : 4;
+  // Rows per block: its quantized activations stay in L2 while every tile passes over them.
+  const int64_t block = K * MR_MAX > ACT_BLOCK_BYTES ? MR_MAX
+                                                      : ACT_BLOCK_BYTES / K / MR_MAX * MR_MAX;
+  // Enough rows: threads split the rows (each quantizes only its own); else the tiles (each
+  // quantizes every row, a small cost next to reading the weights twice).
+  const int split_rows = M >= SPLIT_ROWS * num_threads;
   int ok = 1;
   // One synchronization point (the region's end; a stalled thread at a barrier costs a whole
-  // scheduler slice on a shared machine): each thread quantizes the activations for itself.
+  // scheduler slice on a shared machine).
 #pragma omp parallel num_threads(num_threads)
   {
+    const int nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t r0 = split_rows ? M * me / nth : 0, r1 = split_rows ? M * (me + 1) / nth : M;
+    const int64_t t0 = split_rows ? 0 : tiles * me / nth;
+    const int64_t t1 = split_rows ? tiles : tiles * (me + 1) / nth;
+    const int64_t rows = t1 > t0 ? r1 - r0 : 0;
+    const char* xr = (const char*)x + r0 * K * elem;
     QAct a;
-    float* buf = malloc(sizeof(float) * (K + K / 32));
+    float* buf = malloc(sizeof(float) * act_scratch(K));
     uint8_t* wt = aligned_alloc(64, NT * K);
     float* sT = aligned_alloc(64, sizeof(float) * NT * subs);
     float* mT = mins != NULL ? aligned_alloc(64, sizeof(float) * NT * subs) : NULL;
-    const int mine = alloc_act(&a, &w, M) && buf != NULL && wt != NULL && sT != NULL &&
-                     (mins == NULL || mT != NULL);
+    const int mine = alloc_act(&a, &w, rows > 0 ? rows : 1) && buf != NULL && wt != NULL &&
+                     sT != NULL && (mins == NULL || mT != NULL);
     if (!mine) {
 #pragma omp atomic write
       ok = 0;
     } else {
-      const int nth = omp_get_num_threads(), me = omp_get_thread_num();
-      const int64_t t0 = tiles * me / nth, t1 = tiles * (me + 1) / nth;
-      if (t1 > t0)
-        for (int64_t m = 0; m < M; m++) quantize_act_row(x, m, &w, bf16, &a, buf);
-      for (int64_t t = t0; t < t1; t++) {
-        const int64_t n0 = t * NT;
-        const int cols = N - n0 < NT ? (int)(N - n0) : NT;
-        unpack_tile_any(&w, t, wt, sT, mT);
-        float bv[NT] = {0};
-        if (bias != NULL) load_row(bias, n0, cols, bf16, bv);
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-          const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
-          float out[MR_MAX * NT];
-          micro_any(&w, wt, sT, mT, &a, m0, mr, out);
-          for (int i = 0; i < mr; i++) {
-            const int64_t at = (m0 + i) * ldy + n0;
-            for (int j = 0; j < cols; j++) out[i * NT + j] += bv[j];
-            if (cols == NT) {
-              store16(y, at, _mm512_loadu_ps(out + i * NT), bf16);
-              store16(y, at + 16, _mm512_loadu_ps(out + i * NT + 16), bf16);
-            } else if (bf16) {
-              for (int j = 0; j < cols; j++) ((uint16_t*)y)[at + j] = to_bf16(out[i * NT + j]);
-            } else {
-              memcpy((float*)y + at, out + i * NT, sizeof(float) * cols);
+      for (int64_t m = 0; m < rows; m++) quantize_act_row(xr, m, &w, bf16, &a, buf);
+      for (int64_t b0 = 0; b0 < rows; b0 += block) {
+        const int64_t b1 = rows - b0 < block ? rows : b0 + block;
+        for (int64_t t = t0; t < t1; t++) {
+          const int64_t n0 = t * NT;
+          const int cols = N - n0 < NT ? (int)(N - n0) : NT;
+          const Quads wq = unpack_tile_any(&w, t, wt, sT, mT);
+          float bv[NT] = {0};
+          if (bias != NULL) load_row(bias, n0, cols, bf16, bv);
+          for (int64_t m0 = b0; m0 < b1; m0 += MR_MAX) {
+            const int mr = b1 - m0 < MR_MAX ? (int)(b1 - m0) : MR_MAX;
+            float out[MR_MAX * NT];
+            micro_any(&w, wq, sT, mT, &a, m0, mr, out);
+            for (int i = 0; i < mr; i++) {
+              const int64_t at = (r0 + m0 + i) * ldy + n0;
+              for (int j = 0; j < cols; j++) out[i * NT + j] += bv[j];
+              if (cols == NT) {
+                store16(y, at, _mm512_loadu_ps(out + i * NT), bf16);
+                store16(y, at + 16, _mm512_loadu_ps(out + i * NT + 16), bf16);
+              } else if (bf16) {
+                for (int j = 0; j < cols; j++) ((uint16_t*)y)[at + j] = to_bf16(out[i * NT + j]);
+              } else {
+                memcpy((float*)y + at, out + i * NT, sizeof(float) * cols);
+              }
             }
           }
         }

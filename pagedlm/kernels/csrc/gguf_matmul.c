@@ -176,7 +176,7 @@ int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
   if (isa == 1) return 0;
 #endif
   QAct a;
-  float* buf = malloc(sizeof(float) * (K + K / 32));
+  float* buf = malloc(sizeof(float) * act_scratch(K));
   int ok = alloc_act(&a, &w, M) && buf != NULL;
   for (int64_t m = 0; ok && m < M; m++) quantize_act_row(x, m, &w, bf16, &a, buf);
   free(buf);
@@ -267,7 +267,7 @@ int quantize_rows_q8(const void* x, int64_t M, int64_t K, int bf16, int8_t* q, f
   if (K % 32) return 0;
   float* buf = malloc(sizeof(float) * K);
   if (buf == NULL) return 0;
-  for (int64_t m = 0; m < M; m++) quantize_row(x, m, K, bf16, q + m * K, d + m * (K / 32), buf);
+  for (int64_t m = 0; m < M; m++) quantize_row(x, m, K, bf16, q + m * K, d + m * (K / 32), NULL, buf);
   free(buf);
   return 1;
 }
