@@ -175,6 +175,17 @@ static inline void store16(void* base, int64_t offset, __m512 x, int bf16) {
     _mm512_storeu_ps((float*)base + offset, x);
   }
 }
+
+// store16 of the lanes in `lanes` only.
+static inline void store16_lanes(void* base, int64_t offset, __m512 x, int bf16, __mmask16 lanes) {
+  if (bf16) {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round512_bf16(x)), 16);
+    _mm256_mask_storeu_epi16((uint16_t*)base + offset, lanes, _mm512_cvtepi32_epi16(bits));
+  } else {
+    _mm512_mask_storeu_ps((float*)base + offset, lanes, x);
+  }
+}
+
 // In-place transpose of a 16 x 16 fp32 matrix held in 16 registers.
 static inline void transpose16(__m512 r[16]) {
   __m512 t[16];

@@ -229,21 +229,19 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
           const Quads wq = unpack_tile_any(&w, t, wt, sT, mT);
           float bv[NT] = {0};
           if (bias != NULL) load_row(bias, n0, cols, bf16, bv);
+          const __m512 bias0 = _mm512_loadu_ps(bv), bias1 = _mm512_loadu_ps(bv + 16);
+          const __mmask16 lanes0 = cols >= 16 ? 0xFFFF : (1u << cols) - 1;
+          const __mmask16 lanes1 = cols >= NT ? 0xFFFF : cols > 16 ? (1u << (cols - 16)) - 1 : 0;
           for (int64_t m0 = b0; m0 < b1; m0 += MR_MAX) {
             const int mr = b1 - m0 < MR_MAX ? (int)(b1 - m0) : MR_MAX;
             float out[MR_MAX * NT];
             micro_any(&w, wq, sT, mT, &a, m0, mr, out);
             for (int i = 0; i < mr; i++) {
               const int64_t at = (r0 + m0 + i) * ldy + n0;
-              for (int j = 0; j < cols; j++) out[i * NT + j] += bv[j];
-              if (cols == NT) {
-                store16(y, at, _mm512_loadu_ps(out + i * NT), bf16);
-                store16(y, at + 16, _mm512_loadu_ps(out + i * NT + 16), bf16);
-              } else if (bf16) {
-                for (int j = 0; j < cols; j++) ((uint16_t*)y)[at + j] = to_bf16(out[i * NT + j]);
-              } else {
-                memcpy((float*)y + at, out + i * NT, sizeof(float) * cols);
-              }
+              const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(out + i * NT), bias0);
+              const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(out + i * NT + 16), bias1);
+              store16_lanes(y, at, v0, bf16, lanes0);
+              store16_lanes(y, at + 16, v1, bf16, lanes1);
             }
           }
         }
