@@ -3,7 +3,8 @@
 - `gguf_gemv`: y = x W^T for decode-sized batches straight from the packed weight, activations
   quantized to int8 per 32-value block, integer dot products (AVX-512 VNNI, or portable C).
 - `gguf_gemm`: the same product for larger batches (prefill), an integer GEMM on weight tiles
-  unpacked to int8 in a per-thread scratch (AVX-512 VNNI only).
+  unpacked to int8 in a per-thread scratch (AVX-512 VNNI only); on K-quants the activations
+  are quantized per 256 values (ggml's Q8_K) and the sub-blocks combine in int32.
 - `gguf_dequantize_rows`: a tile of W rows as bf16/fp32, for prefill GEMMs on oneDNN.
 - `quantize_rows_q8`: the kernels' activation quantization alone (for the tests).
 
@@ -182,8 +183,8 @@ def gemm_args(
 def gguf_gemm(
     x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype, with the GEMV's activation
-    quantization and integer dot products; None without C kernels or AVX-512 VNNI."""
+    """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype, activations quantized per
+    `w.gemm_act_block` values, integer dot products; None without C kernels or AVX-512 VNNI."""
     lib = cpu_kernels()
     if lib is None or not lib.gguf_gemm_compiled():
         return None
@@ -223,23 +224,25 @@ def gguf_dequantize_rows(
     return out
 
 
-declare("quantize_rows_q8", [_ptr, _i64, _i64, _int, _ptr, _ptr], _int)  # x, M, K, bf16, q, d
+# x, M, K, bf16, block, q, d
+declare("quantize_rows_q8", [_ptr, _i64, _i64, _int, _i64, _ptr, _ptr], _int)
 
 
-def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """x [M, K] -> (int8 [M, K], fp32 [M, K/32]) as the kernels quantize activations."""
+def quantize_rows_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x [M, K] -> (int8 [M, K], fp32 [M, K/block]) as the kernels quantize activations in
+    blocks of 32 (or 256: the GEMM on K-quants)."""
     lib = cpu_kernels()
     if lib is None:
         return None
     x = x.contiguous()
     m, k = x.shape
-    if k % 32:
-        raise ValueError(f"quantize_rows_q8: K = {k} is not a multiple of 32")
+    if block not in (32, 256) or k % block:
+        raise ValueError(f"quantize_rows_q8: K = {k} in blocks of {block} (32 or 256)")
     q = torch.empty(m, k, dtype=torch.int8)
-    d = torch.empty(m, k // 32)
+    d = torch.empty(m, k // block)
     ptr = checked("quantize_rows_q8", "x", x, _FLOATS)
     if not lib.quantize_rows_q8(
-        ptr, m, k, int(x.dtype == torch.bfloat16), q.data_ptr(), d.data_ptr()
+        ptr, m, k, int(x.dtype == torch.bfloat16), block, q.data_ptr(), d.data_ptr()
     ):
         raise MemoryError("quantize_rows_q8: out of memory")
     return q, d

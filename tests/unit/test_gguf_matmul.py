@@ -7,7 +7,8 @@ Oracles, on random blocks of every packable type:
 - y = x W^T from the integer kernels equals, in float64, dequant(W) @ dequant(quant(x))^T up
   to fp32 rounding: |err| <= 2^-20 * (|W| @ |xq|^T) (K <= 4096 terms, fp32 eps 2^-24);
 - against the unquantized activations the only extra error is quantizing x: per element at
-  most half a step d / 2 of its 32-block, so |y - W x| <= sum_k |W_nk| d(k) / 2 + the above.
+  most half a step d / 2 of its block (32 values; 256 in the GEMM on K-quants), so
+  |y - W x| <= sum_k |W_nk| d(k) / 2 + the above.
 """
 
 from __future__ import annotations
@@ -82,18 +83,20 @@ def test_can_pack_rules() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("block", [32, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(12))
-def test_activation_quantizer_matches_torch_twin(dtype, seed) -> None:
+def test_activation_quantizer_matches_torch_twin(dtype, seed, block) -> None:
     """Bit for bit, ties included (x = amax / 2 gives exactly 63.5: half to even)."""
-    x = (torch.randn(5, 256, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+    x = (torch.randn(5, 512, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
     x[3, 64:66] = torch.tensor([6.53125, -3.265625])
-    x[1, :32] = 0  # an all-zero block: d = 0, q = 0
+    x[3, 256 + 64 : 256 + 66] = torch.tensor([6.53125, -3.265625])
+    x[1, :block] = 0  # an all-zero block: d = 0, q = 0
     x[2, 40] = 1e4  # one large value in a block
-    q, d = kg.quantize_rows_q8(x)
-    qt, dt = quantize_activations(x)
+    q, d = kg.quantize_rows_q8(x, block)
+    qt, dt = quantize_activations(x, block)
     assert torch.equal(q, qt) and torch.equal(d, dt)
-    assert d[1, 0] == 0 and (q[1, :32] == 0).all()
+    assert d[1, 0] == 0 and (q[1, :block] == 0).all()
 
 
 def _case(t: GGMLQuantizationType, m: int, n: int, k: int):
@@ -105,18 +108,19 @@ def _case(t: GGMLQuantizationType, m: int, n: int, k: int):
     return w, x, bias
 
 
-def _check_against_dequantized(got, w, x, bias) -> None:
-    """got = x W^T + bias within the bounds of the module docstring."""
+def _check_against_dequantized(got, w, x, bias, block: int = 32) -> None:
+    """got = x W^T + bias within the bounds of the module docstring, the activations quantized
+    in blocks of `block` values."""
     m, k = x.shape
     wd = dequantize_packed(w).double()
-    q, d = quantize_activations(x)
-    xq = (q.double().view(m, k // 32, 32) * d.double()[..., None]).view(m, k)
+    q, d = quantize_activations(x, block)
+    xq = (q.double().view(m, k // block, block) * d.double()[..., None]).view(m, k)
     want = xq @ wd.T + bias.double()
     fp32_bound = (xq.abs() @ wd.abs().T) * 2**-20 + 1e-6
     assert got.dtype == torch.float32 and got.shape == (m, w.shape[0])
     assert ((got.double() - want).abs() <= fp32_bound).all()
     # against unquantized activations: half a quantization step per element, at most
-    step = d.double().repeat_interleave(32, dim=1) / 2  # [m, k]
+    step = d.double().repeat_interleave(block, dim=1) / 2  # [m, k]
     act_bound = step @ wd.abs().T + fp32_bound
     exact = x.double() @ wd.T + bias.double()
     assert ((got.double() - exact).abs() <= act_bound).all()
@@ -154,7 +158,7 @@ def test_quantized_gemm_equals_dequantized_matmul(t, m, n, k) -> None:
     """Every microkernel height (M mod 6), partial column tiles, K-quants at K % 256 == 0;
     1101 rows: threads split the rows, each in several L2-sized blocks."""
     w, x, bias = _case(t, m, n, k)
-    _check_against_dequantized(kg.gguf_gemm(x, w, bias), w, x, bias)
+    _check_against_dequantized(kg.gguf_gemm(x, w, bias), w, x, bias, w.gemm_act_block)
 
 
 @needs_gemm
@@ -215,7 +219,7 @@ def test_gguf_linear_fallbacks_agree(monkeypatch) -> None:
 
     w, x, bias = _case(T.Q4_K, 40, 48, 256)
     want = x.double() @ dequantize_packed(w).double().T + bias.double()
-    _check_against_dequantized(method.gguf_linear(x, w, bias), w, x, bias)  # integer GEMM
+    _check_against_dequantized(method.gguf_linear(x, w, bias), w, x, bias, w.gemm_act_block)
     monkeypatch.setattr(method.gguf_kernels, "gguf_gemm", lambda *a: None)
     torch.testing.assert_close(method.gguf_linear(x, w, bias).double(), want, atol=1e-3, rtol=1e-5)
     monkeypatch.setattr(method.gguf_kernels, "gguf_dequantize_rows", lambda *a: None)

@@ -108,42 +108,43 @@ static inline void unpack_tile_portable(const QWeight* w, int64_t t, uint8_t* re
   }
 }
 
-// x row (bf16 or fp32) -> int8 per 32-block; d[b] = amax / 127, q = x * (127 / amax) rounded
-// half to even (the AVX-512 path's conversion uses the default rounding mode, the same);
-// sums16 (NULL to skip): the sum of each 16 consecutive quants.
-static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, int8_t* restrict q,
-                                float* restrict d, int32_t* restrict sums16,
+// x row (bf16 or fp32) -> int8 per QB-value block (QB = 32, or 256 for the GEMM's K-quants);
+// d[b] = amax / 127, q = x * (127 / amax) rounded half to even (the AVX-512 path's conversion
+// uses the default rounding mode, the same); sums16 (NULL to skip): each 16 quants' sum.
+static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, int64_t QB,
+                                int8_t* restrict q, float* restrict d, int32_t* restrict sums16,
                                 float* restrict buf) {
 #ifdef PAGEDLM_AVX512
   (void)buf;
-  for (int64_t b = 0; b < K / 32; b++) {
-    const __m512 v0 = load16(x, m * K + 32 * b, bf16), v1 = load16(x, m * K + 32 * b + 16, bf16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  for (int64_t b = 0; b < K / QB; b++) {
+    const int64_t at = m * K + QB * b;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = 0; i < QB; i += 16)
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, at + i, bf16)));
+    const float amax = _mm512_reduce_max_ps(mx);
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     d[b] = amax / 127.f;
-    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
-    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-    _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(i0));
-    _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
-    if (sums16 != NULL) {
-      sums16[2 * b] = _mm512_reduce_add_epi32(i0);  // |x * inv| <= 127: no saturation above
-      sums16[2 * b + 1] = _mm512_reduce_add_epi32(i1);
+    for (int64_t i = 0; i < QB; i += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, at + i, bf16), inv));
+      _mm_storeu_si128((__m128i*)(q + QB * b + i), _mm512_cvtsepi32_epi8(v));
+      // |x * inv| <= 127: the saturating narrowing above changes nothing
+      if (sums16 != NULL) sums16[(QB * b + i) / 16] = _mm512_reduce_add_epi32(v);
     }
   }
 #else
   load_row(x, m * K, K, bf16, buf);
-  for (int64_t b = 0; b < K / 32; b++) {
-    const float* v = buf + 32 * b;
+  for (int64_t b = 0; b < K / QB; b++) {
+    const float* v = buf + QB * b;
     float amax = 0.f;
-    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+    for (int64_t i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(v[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     d[b] = amax / 127.f;
-    for (int i = 0; i < 32; i++) q[32 * b + i] = (int8_t)nearbyintf(v[i] * inv);
-    for (int h = 0; sums16 != NULL && h < 2; h++) {
-      int32_t total = 0;
-      for (int i = 0; i < 16; i++) total += q[32 * b + 16 * h + i];
-      sums16[2 * b + h] = total;
-    }
+    for (int64_t i = 0; i < QB; i++) q[QB * b + i] = (int8_t)nearbyintf(v[i] * inv);
+  }
+  for (int64_t s = 0; sums16 != NULL && s < K / 16; s++) {
+    int32_t total = 0;
+    for (int i = 0; i < 16; i++) total += q[16 * s + i];
+    sums16[s] = total;
   }
 #endif
 }
@@ -185,7 +186,7 @@ static inline void quantize_act_row(const void* x, int64_t m, const QWeight* w, 
   const int64_t K = w->K, G = w->group, subs = K / G;
   float* d32 = buf + K;
   int32_t* sums16 = (int32_t*)(d32 + K / 32);
-  quantize_row(x, m, K, bf16, a->q + m * K, d32, sums16, buf);
+  quantize_row(x, m, K, bf16, 32, a->q + m * K, d32, sums16, buf);
   for (int64_t g = 0; g < subs; g++) {
     const int32_t total = G == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
     const float d = d32[(g * G) >> 5];

@@ -261,13 +261,15 @@ __attribute__((optimize("fp-contract=off"))) int gguf_dequantize_rows(
   return ok;
 }
 
-// Quantize x [M, K] per 32-value block: q int8 [M, K], d fp32 [M, K / 32]. Returns 0 when out
-// of memory.
-int quantize_rows_q8(const void* x, int64_t M, int64_t K, int bf16, int8_t* q, float* d) {
-  if (K % 32) return 0;
+// Quantize x [M, K] per block of 32 or 256 values: q int8 [M, K], d fp32 [M, K / block].
+// Returns 0 for another block or when out of memory.
+int quantize_rows_q8(const void* x, int64_t M, int64_t K, int bf16, int64_t block, int8_t* q,
+                     float* d) {
+  if ((block != 32 && block != 256) || K % block) return 0;
   float* buf = malloc(sizeof(float) * K);
   if (buf == NULL) return 0;
-  for (int64_t m = 0; m < M; m++) quantize_row(x, m, K, bf16, q + m * K, d + m * (K / 32), NULL, buf);
+  for (int64_t m = 0; m < M; m++)
+    quantize_row(x, m, K, bf16, block, q + m * K, d + m * (K / block), NULL, buf);
   free(buf);
   return 1;
 }

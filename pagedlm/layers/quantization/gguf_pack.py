@@ -69,6 +69,12 @@ class PackedGGUFWeight:
     def shape(self) -> tuple[int, int]:
         return self.n, self.scales.shape[1] * self.group
 
+    @property
+    def gemm_act_block(self) -> int:
+        """Values per activation scale in the integer GEMM: 256 for the K-quants (ggml's Q8_K,
+        so a super-block's sub-blocks combine in integers), else 32 (the GEMV's always)."""
+        return 256 if self.super_scales is not None else 32
+
     def nbytes(self) -> int:
         parts = (self.qs, self.qh, self.scales, self.mins, self.super_scales, self.super_mins)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
@@ -303,11 +309,12 @@ def dequantize_packed(
     return x.view(n, k).to(dtype)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 q [M, K], fp32 d [M, K/32]) per 32-value block: d = amax / 127,
-    q = round-half-even(x * (127 / amax)) -- the kernels' own quantization, op for op."""
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 q [M, K], fp32 d [M, K/block]) per block of 32 (or 256) values:
+    d = amax / 127, q = round-half-even(x * (127 / amax)) -- the kernels' own quantization,
+    op for op."""
     m, k = x.shape
-    xb = x.float().view(m, k // 32, 32)
+    xb = x.float().view(m, k // block, block)
     amax = xb.abs().amax(-1)
     # tensor / tensor: a true fp32 division like C's 127.f / amax (python-scalar / tensor is
     # computed as 127 * (1 / amax) and can round differently)
