@@ -33,7 +33,9 @@ def usable_cores() -> int:
 
 class CpuPlatform(Platform):
     device_type = "cpu"
-    dense_chunk_rows = 128  # MLP of 4096 rows x 24 layers: 4.8 s whole, 2.7 s in chunks of 128
+    # MLP rows per chunk, so that the gate/up output stays in cache: the default model's 64 x 128
+    # prefill takes 10.6 s (packed GGUF) / 14.6 s (bf16) at 512, 11.3 / 15.0 at 128, 12.2 whole
+    dense_chunk_rows = 512
 
     def supports_bf16(self) -> bool:
         cpu = torch.cpu
