@@ -10,6 +10,7 @@ import pytest
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.lora.request import LoRARequest
+from pagedlm.platforms import current_platform
 from tests.lora.peft_utils import make_adapter, merged_model, random_prompts
 from tests.models.test_models_vs_hf import hf_reference
 
@@ -53,10 +54,11 @@ def generate(llm, prompts, loras, params=PARAMS):
 
 
 def test_mixed_batch_of_three_adapters_and_base(
-    tiny_qwen2, qwen2_adapters, tmp_path_factory
+    tiny_qwen2, qwen2_adapters, tmp_path_factory, monkeypatch
 ) -> None:
     a1, a2, a3 = (qwen2_adapters[k] for k in ("a1", "a2", "a3"))
-    # 150 tokens: the MLP runs that prefill in row chunks (dense_chunk_rows on CPU)
+    # the MLP runs the prefill in row chunks of 64, across requests of different adapters
+    monkeypatch.setattr(type(current_platform), "dense_chunk_rows", 64)
     prompts = random_prompts([3, 17, 40, 150, 9, 25, 60, 5])
     adapters = [None, a1, a2, a3, a1, None, a3, a2]
     requests = {a: LoRARequest(Path(a).name, i + 1, str(a)) for i, a in enumerate((a1, a2, a3))}
