@@ -110,29 +110,22 @@ static inline __m256 hsum8(const __m512 a[8]) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, e));
 }
 
-// The pair (sequence, kv head) with head_size = 16 * DV; DV is a constant after inlining, so
-// the key/value row and the accumulators live in registers. Scores are kept token-major,
-// [n][G8] with G8 = group rounded up to 8, so the softmax runs across heads in one vector.
-static inline __attribute__((always_inline)) void attend_avx512(
-    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
-    int64_t end, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
-    int64_t token_stride, int64_t block_size, float scale, int bf16, const KV* kv, float* part,
-    float* lse, float* qf, float* scores, float* row) {
+// scores[t][g] = (q_g * scale) . k_t in fp32 for the pair's heads (queries from q_offset on),
+// token-major with rows G8 apart.
+static inline __attribute__((always_inline)) void scores_f32(const void* q, int64_t q_offset,
+                                                             const void* k_cache, BlockWalk* kw,
+                                                             int64_t n, int64_t group,
+                                                             const int DV, float scale, int bf16,
+                                                             const KV* kv, float* qf,
+                                                             float* scores, int64_t G8) {
   const int64_t head_size = 16 * DV;
-  const int64_t G8 = (group + 7) & ~(int64_t)7;
-  const int64_t n = end - start;
-  const int64_t head_offset = kh * head_size;
-  for (int64_t g = 0; g < group; g++) {
-    const int64_t q_offset = (b * num_heads + kh * group + g) * head_size;
+  for (int64_t g = 0; g < group; g++)
     for (int c = 0; c < DV; c++) {
-      const __m512 qv = load16(q, q_offset + 16 * c, bf16);
+      const __m512 qv = load16(q, q_offset + g * head_size + 16 * c, bf16);
       _mm512_storeu_ps(qf + g * head_size + 16 * c, _mm512_mul_ps(qv, _mm512_set1_ps(scale)));
     }
-  }
-  BlockWalk kw = walk_start(k_cache, table, start, n, block_size, token_stride, head_offset,
-                            head_size, kv->kind);
   for (int64_t t = 0; t < n; t++) {
-    const int64_t base = walk_next(&kw);
+    const int64_t base = walk_next(kw);
     __m512 k[16];
     for (int c = 0; c < DV; c++) k[c] = load16_kv(k_cache, base + 16 * c, kv->kind, kv->k_scale);
     for (int64_t g0 = 0; g0 < group; g0 += 8) {
@@ -147,6 +140,58 @@ static inline __attribute__((always_inline)) void attend_avx512(
       _mm256_storeu_ps(scores + t * G8 + g0, hsum8(a));
     }
   }
+}
+
+#ifdef __AVX512BF16__
+// Scores of bf16 queries (qh: the pair's first head) against a bf16 cache: vdpbf16ps on the
+// raw pairs (exact products, fp32 sums), scaled after the sum; [n][G8] as the fp32 path.
+static inline __attribute__((always_inline)) void scores_bf16(const uint16_t* qh,
+                                                              const void* k_cache, BlockWalk* kw,
+                                                              int64_t n, int64_t group,
+                                                              const int DV, float scale,
+                                                              float* scores, int64_t G8) {
+  const int64_t head_size = 16 * DV;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t t = 0; t < n; t++) {
+    const uint16_t* row = (const uint16_t*)k_cache + walk_next(kw);
+    __m512bh k[8];
+    for (int c = 0; c < DV / 2; c++) k[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+    for (int64_t g0 = 0; g0 < group; g0 += 8) {
+      __m512 a[8];
+      for (int64_t i = 0; i < 8; i++) {
+        a[i] = _mm512_setzero_ps();
+        if (g0 + i >= group) continue;
+        const uint16_t* qg = qh + (g0 + i) * head_size;
+        for (int c = 0; c < DV / 2; c++)
+          a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qg + 32 * c), k[c]);
+      }
+      _mm256_storeu_ps(scores + t * G8 + g0, _mm256_mul_ps(hsum8(a), vscale));
+    }
+  }
+}
+#endif
+
+// The pair (sequence, kv head) with head_size = 16 * DV; DV is a constant after inlining, so
+// the key/value row and the accumulators live in registers. Scores are kept token-major,
+// [n][G8] with G8 = group rounded up to 8, so the softmax runs across heads in one vector.
+static inline __attribute__((always_inline)) void attend_avx512(
+    const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
+    int64_t end, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
+    int64_t token_stride, int64_t block_size, float scale, int bf16, const KV* kv, float* part,
+    float* lse, float* qf, float* scores, float* row) {
+  const int64_t head_size = 16 * DV;
+  const int64_t G8 = (group + 7) & ~(int64_t)7;
+  const int64_t n = end - start;
+  const int64_t head_offset = kh * head_size;
+  BlockWalk kw = walk_start(k_cache, table, start, n, block_size, token_stride, head_offset,
+                            head_size, kv->kind);
+  const int64_t q_offset = (b * num_heads + kh * group) * head_size;
+#ifdef __AVX512BF16__
+  if (bf16 && kv->kind == KV_BF16)
+    scores_bf16((const uint16_t*)q + q_offset, k_cache, &kw, n, group, DV, scale, scores, G8);
+  else
+#endif
+    scores_f32(q, q_offset, k_cache, &kw, n, group, DV, scale, bf16, kv, qf, scores, G8);
   for (int64_t g0 = 0; g0 < G8; g0 += 8) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t++)
