@@ -1,5 +1,5 @@
 // Shared by the packed-GGUF kernels (gguf_matmul.c: GEMV and dequantization, gguf_gemm.c:
-// the batched integer GEMM): the weight descriptor, activation quantization, tile unpacking.
+// the batched integer GEMM): the weight descriptor, row quantization, tile unpacking.
 // The layout (16-row tiles in VNNI order) is documented in
 // pagedlm/layers/quantization/gguf_pack.py and at the top of gguf_matmul.c.
 #pragma once
@@ -149,52 +149,8 @@ static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, i
 #endif
 }
 
-// Quantized activations, per row m and weight sub-block g (G = 16 or 32 values): the int8
-// quants, corr = -offset * (sum of the sub-block's quants), d of its 32-block, and for weights
-// with mins dsum = d * (sum of the quants).
-typedef struct {
-  int8_t* q;      // [M][K]
-  int32_t* corr;  // [M][K / G]
-  float* d;       // [M][K / G]
-  float* dsum;    // [M][K / G] or NULL
-} QAct;
-
-// Allocates a's arrays for M rows (dsum only for weights with mins); 0 when out of memory
-// (free_act is still due).
-static inline int alloc_act(QAct* a, const QWeight* w, int64_t M) {
-  const int64_t subs = w->K / w->group;
-  a->q = aligned_alloc(64, ((M * w->K + 63) / 64) * 64);
-  a->corr = malloc(sizeof(int32_t) * M * subs);
-  a->d = malloc(sizeof(float) * M * subs);
-  a->dsum = w->mins != NULL ? malloc(sizeof(float) * M * subs) : NULL;
-  return a->q && a->corr && a->d && (w->mins == NULL || a->dsum);
-}
-
-static inline void free_act(QAct* a) {
-  free(a->q);
-  free(a->corr);
-  free(a->d);
-  free(a->dsum);
-}
-
-// Floats of scratch quantize_act_row needs: the row, its 32-block scales, its 16-quant sums.
+// Floats of scratch a row's quantization needs: the row, its block scales, its 16-quant sums.
 static inline int64_t act_scratch(int64_t K) { return K + K / 32 + K / 16; }
-
-// Row m of x into a; buf: act_scratch(K) floats.
-static inline void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf16,
-                                    const QAct* a, float* restrict buf) {
-  const int64_t K = w->K, G = w->group, subs = K / G;
-  float* d32 = buf + K;
-  int32_t* sums16 = (int32_t*)(d32 + K / 32);
-  quantize_row(x, m, K, bf16, 32, a->q + m * K, d32, sums16, buf);
-  for (int64_t g = 0; g < subs; g++) {
-    const int32_t total = G == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
-    const float d = d32[(g * G) >> 5];
-    a->corr[m * subs + g] = -w->offset * total;
-    a->d[m * subs + g] = d;
-    if (a->dsum != NULL) a->dsum[m * subs + g] = d * (float)total;
-  }
-}
 
 #ifdef PAGEDLM_VNNI
 // Scales (mins = 0) or mins of the 16 rows of tile t for sub-block g (KIND a compile-time

@@ -15,18 +15,64 @@
 // acc -= min * d * (sum of quants); scales and mins decoded as stored (fp16, or 8-bit
 // sub-scales times the super-block's fp32 d). The portable path does the same in plain C.
 //
-// Larger batches (`gguf_gemm`, gguf_gemm.c): the same activation quantization, tile pairs
-// unpacked to bytes in a per-thread scratch, a register-blocked vpdpbusd GEMM.
+// Larger batches (`gguf_gemm`, gguf_gemm.c): the same activation quantization (per 256 values
+// on K-quants), tile pairs unpacked to bytes in a per-thread scratch, a register-blocked
+// vpdpbusd GEMM.
 //
 // Dequantization (`gguf_dequantize_rows`, for float GEMMs where there is no VNNI): rows of W
 // exactly as the PyTorch twin computes them (fp32, no fused multiply-add).
 //
-// Shared pieces (weight descriptor, activation quantization, tile unpacking): gguf_common.h.
+// Shared pieces (weight descriptor, row quantization, tile unpacking): gguf_common.h.
 #include <stdlib.h>
 
 #include "gguf_common.h"
 
 #define MT_MAX 4  // activation rows per pass over a tile
+
+// ----------------------------------------------------------------- activations (GEMV)
+// Quantized activations, per row m and weight sub-block g (G = 16 or 32 values): the int8
+// quants, corr = -offset * (sum of the sub-block's quants), d of its 32-block, and for weights
+// with mins dsum = d * (sum of the quants).
+typedef struct {
+  int8_t* q;      // [M][K]
+  int32_t* corr;  // [M][K / G]
+  float* d;       // [M][K / G]
+  float* dsum;    // [M][K / G] or NULL
+} QAct;
+
+// Allocates a's arrays for M rows (dsum only for weights with mins); 0 when out of memory
+// (free_act is still due).
+static int alloc_act(QAct* a, const QWeight* w, int64_t M) {
+  const int64_t subs = w->K / w->group;
+  a->q = aligned_alloc(64, ((M * w->K + 63) / 64) * 64);
+  a->corr = malloc(sizeof(int32_t) * M * subs);
+  a->d = malloc(sizeof(float) * M * subs);
+  a->dsum = w->mins != NULL ? malloc(sizeof(float) * M * subs) : NULL;
+  return a->q && a->corr && a->d && (w->mins == NULL || a->dsum);
+}
+
+static void free_act(QAct* a) {
+  free(a->q);
+  free(a->corr);
+  free(a->d);
+  free(a->dsum);
+}
+
+// Row m of x into a; buf: act_scratch(K) floats.
+static void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf16,
+                                    const QAct* a, float* restrict buf) {
+  const int64_t K = w->K, G = w->group, subs = K / G;
+  float* d32 = buf + K;
+  int32_t* sums16 = (int32_t*)(d32 + K / 32);
+  quantize_row(x, m, K, bf16, 32, a->q + m * K, d32, sums16, buf);
+  for (int64_t g = 0; g < subs; g++) {
+    const int32_t total = G == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
+    const float d = d32[(g * G) >> 5];
+    a->corr[m * subs + g] = -w->offset * total;
+    a->d[m * subs + g] = d;
+    if (a->dsum != NULL) a->dsum[m * subs + g] = d * (float)total;
+  }
+}
 
 // ----------------------------------------------------------------------------- tile dots
 
