@@ -125,8 +125,10 @@ def test_del_llm_stops_workers(tiny_qwen2) -> None:
 
 _SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
+    import faulthandler, os, signal, sys, time
     from pagedlm import LLM, SamplingParams
+
+    faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a hang
 
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, tensor_parallel_size=2)
@@ -145,13 +147,15 @@ def test_no_orphan_workers(tiny_qwen2, tmp_path, how) -> None:
     script = tmp_path / "engine.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tiny_qwen2), "exit" if how == "exit" else "loop"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as stderr:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(tiny_qwen2), "exit" if how == "exit" else "loop"],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
     line = proc.stdout.readline()
     assert line.startswith("PIDS"), line
     pids = [int(p) for p in line.split()[1:]]
@@ -161,7 +165,13 @@ def test_no_orphan_workers(tiny_qwen2, tmp_path, how) -> None:
     elif how == "sigkill":
         time.sleep(1)
         proc.kill()
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack to stderr
+        time.sleep(2)
+        proc.kill()
+        pytest.fail(f"engine alive 60 s after {how}; stderr:\n{stderr_path.read_text()[-6000:]}")
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.2)
