@@ -129,6 +129,9 @@ _SCRIPT = textwrap.dedent(
     from pagedlm import LLM, SamplingParams
 
     faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a hang
+    # Ctrl-C as in a terminal, also when the test runner was started as a background job
+    # (which ignores SIGINT, and an ignored signal stays ignored across exec)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, tensor_parallel_size=2)
