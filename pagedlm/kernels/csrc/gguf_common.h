@@ -152,6 +152,11 @@ static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, i
 // Floats of scratch a row's quantization needs: the row, its block scales, its 16-quant sums.
 static inline int64_t act_scratch(int64_t K) { return K + K / 32 + K / 16; }
 
+// Sum of the quants of weight sub-block g (G = 16 or 32 values), from quantize_row's sums16.
+static inline int32_t sub_block_sum(const int32_t* sums16, int64_t g, int64_t G) {
+  return G == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
+}
+
 #ifdef PAGEDLM_VNNI
 // Scales (mins = 0) or mins of the 16 rows of tile t for sub-block g (KIND a compile-time
 // constant at every call site).

@@ -32,11 +32,10 @@ static int alloc_acts(Acts* a, const QWeight* w, int64_t M) {
   const int64_t subs = w->K / w->group, kq = is_kquant(w);
   const int64_t slots = (M + MR_MAX - 1) / MR_MAX * MR_MAX;
   a->q = aligned_alloc(64, ((slots * w->K + 63) / 64) * 64);
-  a->corr = calloc(slots * subs, sizeof(int32_t));
-  a->d = calloc(slots * (kq ? w->K / 256 : subs), sizeof(float));
-  a->dsum = !kq && w->mins != NULL ? calloc(slots * subs, sizeof(float)) : NULL;
-  a->sums = kq && w->mins != NULL ? calloc(slots * subs, sizeof(int32_t)) : NULL;
-  if (a->q != NULL) memset(a->q, 0, slots * w->K);
+  a->corr = malloc(sizeof(int32_t) * slots * subs);
+  a->d = malloc(sizeof(float) * slots * (kq ? w->K / 256 : subs));
+  a->dsum = !kq && w->mins != NULL ? malloc(sizeof(float) * slots * subs) : NULL;
+  a->sums = kq && w->mins != NULL ? malloc(sizeof(int32_t) * slots * subs) : NULL;
   return a->q && a->corr && a->d && (w->mins == NULL || a->dsum || a->sums);
 }
 
@@ -61,7 +60,7 @@ static void quantize_acts_row(const void* x, int64_t m, const QWeight* w, int bf
   for (int64_t j = 0; j < K / 4; j++) memcpy(panel + (j * MR_MAX + i) * 4, q + 4 * j, 4);
   for (int64_t b = 0; kq && b < K / 256; b++) a->d[(p * (K / 256) + b) * MR_MAX + i] = d[b];
   for (int64_t g = 0; g < subs; g++) {
-    const int32_t total = G == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
+    const int32_t total = sub_block_sum(sums16, g, G);
     const int64_t at = (p * subs + g) * MR_MAX + i;
     a->corr[at] = -w->offset * total;
     if (a->sums != NULL) a->sums[at] = total;
@@ -73,7 +72,7 @@ static void quantize_acts_row(const void* x, int64_t m, const QWeight* w, int bf
 
 // Per thread: the unpacked quads of one tile pair and its scales, as the microkernel reads them.
 typedef struct {
-  uint8_t* quads;      // [K / 4][32][4]
+  uint8_t* quads;      // [2][K / 4][64]: the quads of each tile, as packed
   void *scales, *mins;  // [K / G][32]: fp32 (blocks of 32) or int32 sub-scales (K-quants)
   float *sup, *msup;   // [K / 256][32]: K-quants' d and dmin
 } Scratch;

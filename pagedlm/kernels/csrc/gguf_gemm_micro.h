@@ -8,12 +8,13 @@
 #define MR_MAX 6  // activation rows per microkernel call
 
 // Activations as the microkernels read them, in panels of MR_MAX rows (row m is slot m % MR_MAX
-// of panel m / MR_MAX; a last panel's missing rows are zeros), so that a microkernel finds its
-// rows' values for one step side by side. Per panel: int8 quants [K / 4][MR_MAX][4]; per weight
-// sub-block g (G values) corr = -offset * (sum of its quants) [K / G][MR_MAX]. Blocks of 32
-// (32-value weight blocks, quantized as the GEMV does): d of the block [K / G][MR_MAX] and,
-// for weights with mins, dsum = d * sum [K / G][MR_MAX]. K-quants (ggml's Q8_K): d per 256
-// values [K / 256][MR_MAX] and, with mins, the integer sums [K / G][MR_MAX].
+// of panel m / MR_MAX; a last panel's missing slots are never read: its microkernel takes
+// MR < MR_MAX rows), so that a microkernel finds its rows' values for one step side by side.
+// Per panel: int8 quants [K / 4][MR_MAX][4]; per weight sub-block g (G values) corr = -offset *
+// (sum of its quants) [K / G][MR_MAX]. Blocks of 32 (32-value weight blocks, quantized as the
+// GEMV does): d of the block [K / G][MR_MAX] and, for weights with mins, dsum = d * sum
+// [K / G][MR_MAX]. K-quants (ggml's Q8_K): d per 256 values [K / 256][MR_MAX] and, with mins,
+// the integer sums [K / G][MR_MAX].
 typedef struct {
   int8_t* q;
   int32_t* corr;

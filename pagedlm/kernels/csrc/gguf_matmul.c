@@ -59,14 +59,14 @@ static void free_act(QAct* a) {
 }
 
 // Row m of x into a; buf: act_scratch(K) floats.
-static void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf16,
-                                    const QAct* a, float* restrict buf) {
+static void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf16, const QAct* a,
+                             float* restrict buf) {
   const int64_t K = w->K, G = w->group, subs = K / G;
   float* d32 = buf + K;
   int32_t* sums16 = (int32_t*)(d32 + K / 32);
   quantize_row(x, m, K, bf16, 32, a->q + m * K, d32, sums16, buf);
   for (int64_t g = 0; g < subs; g++) {
-    const int32_t total = G == 16 ? sums16[g] : sums16[2 * g] + sums16[2 * g + 1];
+    const int32_t total = sub_block_sum(sums16, g, G);
     const float d = d32[(g * G) >> 5];
     a->corr[m * subs + g] = -w->offset * total;
     a->d[m * subs + g] = d;
