@@ -163,10 +163,10 @@ def gguf_gemv(
 
 
 declare("gguf_gemm_compiled", [], _int)
-# x, qs, qh, scales, mins, super_scales, super_mins, bias, y, ldy, M, N, K, bits, group,
-# offset, scale kind, bf16, num_threads -> 1 if computed (0: bad layout, no AVX-512 VNNI
-# compiled in, or out of memory)
-declare("gguf_gemm", [_ptr] * 9 + [_i64] * 4 + [_int] * 6, _int)
+# x, qs, qh, scales, mins, super_scales, super_mins, bias, y, ldy, M, N, K, act_block, bits,
+# group, offset, scale kind, bf16, num_threads -> 1 if computed (0: bad layout or act_block, no
+# AVX-512 VNNI compiled in, or out of memory)
+declare("gguf_gemm", [_ptr] * 9 + [_i64] * 5 + [_int] * 6, _int)
 
 
 def gemm_args(
@@ -176,8 +176,8 @@ def gemm_args(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple]:
     """(y, the whole checked argument tuple of the C `gguf_gemm`), as `gemv_args`."""
-    y, pointers, sizes = _matmul_args("gguf_gemm", x, w, bias, out)
-    return y, (*pointers, *sizes, torch.get_num_threads())
+    y, pointers, (ldy, m, n, k, *layout) = _matmul_args("gguf_gemm", x, w, bias, out)
+    return y, (*pointers, ldy, m, n, k, w.gemm_act_block, *layout, torch.get_num_threads())
 
 
 def gguf_gemm(
@@ -230,14 +230,14 @@ declare("quantize_rows_q8", [_ptr, _i64, _i64, _int, _i64, _ptr, _ptr], _int)
 
 def quantize_rows_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x [M, K] -> (int8 [M, K], fp32 [M, K/block]) as the kernels quantize activations in
-    blocks of 32 (or 256: the GEMM on K-quants)."""
+    blocks of 32, 128 or 256 (the GEMM's `gemm_act_block`)."""
     lib = cpu_kernels()
     if lib is None:
         return None
     x = x.contiguous()
     m, k = x.shape
-    if block not in (32, 256) or k % block:
-        raise ValueError(f"quantize_rows_q8: K = {k} in blocks of {block} (32 or 256)")
+    if block not in (32, 128, 256) or k % block:
+        raise ValueError(f"quantize_rows_q8: K = {k} in blocks of {block} (32, 128 or 256)")
     q = torch.empty(m, k, dtype=torch.int8)
     d = torch.empty(m, k // block)
     ptr = checked("quantize_rows_q8", "x", x, _FLOATS)

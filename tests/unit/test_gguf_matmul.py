@@ -83,7 +83,7 @@ def test_can_pack_rules() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("block", [32, 256])
+@pytest.mark.parametrize("block", [32, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(12))
 def test_activation_quantizer_matches_torch_twin(dtype, seed, block) -> None:
@@ -163,8 +163,10 @@ def test_quantized_gemm_equals_dequantized_matmul(t, m, n, k) -> None:
 
 @needs_gemm
 @pytest.mark.parametrize("t", [T.Q4_0, T.Q5_0, T.Q8_0, T.Q5_1], ids=lambda t: t.name)
-def test_quantized_gemm_k_not_multiple_of_256(t) -> None:
+def test_quantized_gemm_k_not_multiple_of_128(t) -> None:
+    """Blocks of 32 take activations in blocks of 128 where K allows, else of 32 as the GEMV."""
     w, x, bias = _case(t, 11, 50, 320)
+    assert w.gemm_act_block == 32 and _case(t, 1, 8, 384)[0].gemm_act_block == 128
     _check_against_dequantized(kg.gguf_gemm(x, w, None), w, x, torch.zeros(50))
     # same activation quantization, same exact integer sums: GEMV and GEMM agree closely
     torch.testing.assert_close(kg.gguf_gemm(x, w, bias), kg.gguf_gemv(x, w, bias))

@@ -2,9 +2,10 @@
 // integer arithmetic, for prefill chunks and large decode batches (AVX-512 VNNI only; without
 // it the caller dequantizes tiles for a float GEMM). Tiles and microkernels: gguf_gemm_micro.h.
 //
-// 1. x is quantized to int8 per row: in blocks of 32 exactly as the GEMV does, or for the
-//    K-quants (Q4_K, Q5_K, Q6_K) in blocks of 256 as ggml's Q8_K, so that a super-block's
-//    sub-blocks share one activation scale and their dots combine in integers.
+// 1. x is quantized to int8 per row in blocks of QB values (the caller's act_block): for the
+//    K-quants (Q4_K, Q5_K, Q6_K) 256 as ggml's Q8_K, so that a super-block's sub-blocks share
+//    one activation scale and their dots combine in integers; for blocks of 32, 32 (as the
+//    GEMV) or 128, which saves the per-sub-block float multiply by the activation scale.
 // 2. W is cut into tile pairs of 32 output columns. A thread unpacks a pair into a scratch of
 //    bytes in VNNI order (16 rows x 4 bytes per vector, as packed) plus its scales; 8-bit
 //    quants of a full pair are read in place, not copied.
@@ -13,8 +14,8 @@
 // 4. The microkernel holds MR activation rows x 32 columns: per sub-block, int32 accumulators
 //    start at corr and take G / 4 vpdpbusd steps (weight quant u8 x activation quant s8,
 //    exact); then the float scaling, per sub-block (blocks of 32) or per super-block.
-// Every integer sum is exact in int32; the float rounding of the blocks-of-32 path differs from
-// the GEMV's only in summation order.
+// Every integer sum is exact in int32; with QB = 32 the float rounding of the blocks-of-32 path
+// differs from the GEMV's only in summation order.
 #include <omp.h>
 
 #include "gguf_gemm_micro.h"
@@ -27,46 +28,42 @@ static int is_kquant(const QWeight* w) {
   return w->kind == SCALES_I8_SUPER || w->kind == SCALES_U8_SUPER;
 }
 
-// Arrays of a for M rows (whole panels); 0 when out of memory (free_acts is still due).
-static int alloc_acts(Acts* a, const QWeight* w, int64_t M) {
-  const int64_t subs = w->K / w->group, kq = is_kquant(w);
+// Arrays of a for M rows (whole panels) in activation blocks of QB; 0 when out of memory
+// (free_acts is still due).
+static int alloc_acts(Acts* a, const QWeight* w, int64_t M, int64_t QB) {
+  const int64_t subs = w->K / w->group;
   const int64_t slots = (M + MR_MAX - 1) / MR_MAX * MR_MAX;
   a->q = aligned_alloc(64, ((slots * w->K + 63) / 64) * 64);
+  a->d = malloc(sizeof(float) * slots * (w->K / QB));
   a->corr = malloc(sizeof(int32_t) * slots * subs);
-  a->d = malloc(sizeof(float) * slots * (kq ? w->K / 256 : subs));
-  a->dsum = !kq && w->mins != NULL ? malloc(sizeof(float) * slots * subs) : NULL;
-  a->sums = kq && w->mins != NULL ? malloc(sizeof(int32_t) * slots * subs) : NULL;
-  return a->q && a->corr && a->d && (w->mins == NULL || a->dsum || a->sums);
+  a->sums = w->mins != NULL ? malloc(sizeof(int32_t) * slots * subs) : NULL;
+  return a->q && a->d && a->corr && (w->mins == NULL || a->sums);
 }
 
 static void free_acts(Acts* a) {
   free(a->q);
-  free(a->corr);
   free(a->d);
-  free(a->dsum);
+  free(a->corr);
   free(a->sums);
 }
 
 // Row m of x into its panel slot of a; buf: act_scratch(K) floats + K bytes.
-static void quantize_acts_row(const void* x, int64_t m, const QWeight* w, int bf16, const Acts* a,
-                              float* restrict buf) {
-  const int64_t K = w->K, G = w->group, subs = K / G, kq = is_kquant(w);
-  const int64_t p = m / MR_MAX, i = m % MR_MAX, qb = kq ? 256 : 32;
-  float* d = buf + K;  // [K / qb]
+static void quantize_acts_row(const void* x, int64_t m, const QWeight* w, int bf16, int64_t QB,
+                              const Acts* a, float* restrict buf) {
+  const int64_t K = w->K, G = w->group, subs = K / G;
+  const int64_t p = m / MR_MAX, i = m % MR_MAX;
+  float* d = buf + K;  // [K / QB]
   int32_t* sums16 = (int32_t*)(buf + K + K / 32);
   int8_t* q = (int8_t*)(buf + act_scratch(K));
-  quantize_row(x, m, K, bf16, qb, q, d, sums16, buf);
+  quantize_row(x, m, K, bf16, QB, q, d, sums16, buf);
   int8_t* panel = a->q + p * K * MR_MAX;
   for (int64_t j = 0; j < K / 4; j++) memcpy(panel + (j * MR_MAX + i) * 4, q + 4 * j, 4);
-  for (int64_t b = 0; kq && b < K / 256; b++) a->d[(p * (K / 256) + b) * MR_MAX + i] = d[b];
+  for (int64_t b = 0; b < K / QB; b++) a->d[(p * (K / QB) + b) * MR_MAX + i] = d[b];
   for (int64_t g = 0; g < subs; g++) {
     const int32_t total = sub_block_sum(sums16, g, G);
     const int64_t at = (p * subs + g) * MR_MAX + i;
     a->corr[at] = -w->offset * total;
     if (a->sums != NULL) a->sums[at] = total;
-    if (kq) continue;
-    a->d[at] = d[(g * G) >> 5];
-    if (a->dsum != NULL) a->dsum[at] = d[(g * G) >> 5] * (float)total;
   }
 }
 
@@ -108,24 +105,32 @@ static void free_scratch(Scratch* s) {
       default: KERNEL(wq, __VA_ARGS__, a, K, p, 1, out);                                     \
     }                                                                                         \
   }
-#define FLOAT32(wq, G, MINS, a, K, p, MR, out) \
-  micro(wq, s->scales, s->mins, a, K, p, MR, G, MINS, out)
+#define FLOAT32(wq, G, QB, MINS, a, K, p, MR, out) \
+  micro(wq, s->scales, s->mins, a, K, p, MR, G, QB, MINS, out)
 #define INT256(wq, G, MINS, a, K, p, MR, out) \
   micro_k(wq, s->scales, s->mins, s->sup, s->msup, a, K, p, MR, G, MINS, out)
 // The kinds gguf_pack.py makes: blocks of 32 without mins (Q4_0, Q5_0, Q8_0) and with them
-// (Q4_1, Q5_1); K-quants with 16-value sub-blocks (Q6_K) and 32-value ones with mins (Q4_K,
-// Q5_K).
-MICRO_FOR(micro_f32_m0, FLOAT32, 32, 0)
-MICRO_FOR(micro_f32_m1, FLOAT32, 32, 1)
+// (Q4_1, Q5_1), activations in blocks of 32 or 128; K-quants with 16-value sub-blocks (Q6_K)
+// and 32-value ones with mins (Q4_K, Q5_K).
+MICRO_FOR(micro_f32_a32_m0, FLOAT32, 32, 32, 0)
+MICRO_FOR(micro_f32_a32_m1, FLOAT32, 32, 32, 1)
+MICRO_FOR(micro_f32_a128_m0, FLOAT32, 32, 128, 0)
+MICRO_FOR(micro_f32_a128_m1, FLOAT32, 32, 128, 1)
 MICRO_FOR(micro_k16_m0, INT256, 16, 0)
 MICRO_FOR(micro_k32_m1, INT256, 32, 1)
 
 typedef void (*Micro)(Quads, const Scratch*, const Acts*, int64_t, int64_t, int, float*);
 
-// The microkernel for w, or NULL for a kind no packed type has.
-static Micro micro_for(const QWeight* w) {
+// The microkernel for w with activations in blocks of QB, or NULL for a kind no packed type has
+// or a QB it does not take (256 for the K-quants; 32 or 128 dividing K for blocks of 32).
+static Micro micro_for(const QWeight* w, int64_t QB) {
   const int mins = w->mins != NULL;
-  if (!is_kquant(w)) return w->group == 32 ? (mins ? micro_f32_m1 : micro_f32_m0) : NULL;
+  if (!is_kquant(w)) {
+    if (w->group != 32 || w->K % QB != 0) return NULL;
+    if (QB == 32) return mins ? micro_f32_a32_m1 : micro_f32_a32_m0;
+    return QB == 128 ? (mins ? micro_f32_a128_m1 : micro_f32_a128_m0) : NULL;
+  }
+  if (QB != 256) return NULL;
   if (w->group == 16) return mins ? NULL : micro_k16_m0;
   return mins ? micro_k32_m1 : NULL;
 }
@@ -139,21 +144,22 @@ int gguf_gemm_compiled(void) {
 #endif
 }
 
-// y [M, N] (bf16 or fp32, as x; rows ldy >= N elements apart) = x W^T (+ bias, in x's dtype).
-// Returns 1 if computed; 0 for bad arguments (a kind without a microkernel included), no
-// AVX-512 VNNI compiled in, or out of memory.
+// y [M, N] (bf16 or fp32, as x; rows ldy >= N elements apart) = x W^T (+ bias, in x's dtype),
+// x quantized in blocks of act_block values. Returns 1 if computed; 0 for bad arguments (a
+// kind without a microkernel, an act_block it does not take, included), no AVX-512 VNNI
+// compiled in, or out of memory.
 int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* scales,
               const void* mins, const float* sup, const float* msup, const void* bias, void* y,
-              int64_t ldy, int64_t M, int64_t N, int64_t K, int bits, int group, int offset,
-              int kind, int bf16, int num_threads) {
+              int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t act_block, int bits,
+              int group, int offset, int kind, int bf16, int num_threads) {
 #ifndef PAGEDLM_VNNI
   (void)x, (void)qs, (void)qh, (void)scales, (void)mins, (void)sup, (void)msup, (void)bias;
-  (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)bits, (void)group, (void)offset, (void)kind;
-  (void)bf16, (void)num_threads;
+  (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)act_block, (void)bits, (void)group;
+  (void)offset, (void)kind, (void)bf16, (void)num_threads;
   return 0;
 #else
   const QWeight w = {qs, qh, scales, mins, sup, msup, N, K, bits, group, offset, kind};
-  const Micro micro_kernel = valid(&w) ? micro_for(&w) : NULL;
+  const Micro micro_kernel = valid(&w) ? micro_for(&w, act_block) : NULL;
   if (micro_kernel == NULL || M < 1 || ldy < N) return 0;
   const int64_t tiles = (N + NT - 1) / NT, elem = bf16 ? 2 : 4;
   // Rows per block: its quantized activations stay in L2 while every tile passes over them.
@@ -176,13 +182,13 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
     Acts a = {0};
     Scratch s = {0};
     float* buf = malloc(sizeof(float) * act_scratch(K) + K);
-    const int got_acts = alloc_acts(&a, &w, rows > 0 ? rows : 1);
+    const int got_acts = alloc_acts(&a, &w, rows > 0 ? rows : 1, act_block);
     const int mine = alloc_scratch(&s, &w) && got_acts && buf != NULL;
     if (!mine) {
 #pragma omp atomic write
       ok = 0;
     } else {
-      for (int64_t m = 0; m < rows; m++) quantize_acts_row(xr, m, &w, bf16, &a, buf);
+      for (int64_t m = 0; m < rows; m++) quantize_acts_row(xr, m, &w, bf16, act_block, &a, buf);
       for (int64_t b0 = 0; b0 < rows; b0 += block) {
         const int64_t b1 = rows - b0 < block ? rows : b0 + block;
         for (int64_t t = t0; t < t1; t++) {

@@ -10,17 +10,14 @@
 // Activations as the microkernels read them, in panels of MR_MAX rows (row m is slot m % MR_MAX
 // of panel m / MR_MAX; a last panel's missing slots are never read: its microkernel takes
 // MR < MR_MAX rows), so that a microkernel finds its rows' values for one step side by side.
-// Per panel: int8 quants [K / 4][MR_MAX][4]; per weight sub-block g (G values) corr = -offset *
-// (sum of its quants) [K / G][MR_MAX]. Blocks of 32 (32-value weight blocks, quantized as the
-// GEMV does): d of the block [K / G][MR_MAX] and, for weights with mins, dsum = d * sum
-// [K / G][MR_MAX]. K-quants (ggml's Q8_K): d per 256 values [K / 256][MR_MAX] and, with mins,
-// the integer sums [K / G][MR_MAX].
+// Per panel: int8 quants [K / 4][MR_MAX][4]; d per activation block of QB values
+// [K / QB][MR_MAX]; per weight sub-block g (G values) corr = -offset * (sum of its quants)
+// [K / G][MR_MAX] and, for weights with mins, that sum itself [K / G][MR_MAX].
 typedef struct {
   int8_t* q;
-  int32_t* corr;
   float* d;
-  float* dsum;    // blocks of 32 with mins, else NULL
-  int32_t* sums;  // K-quants with mins, else NULL
+  int32_t* corr;
+  int32_t* sums;  // weights with mins, else NULL
 } Acts;
 
 // Where a microkernel reads the quads of a tile pair: half h's quad q (16 rows x 4 bytes, VNNI
@@ -142,41 +139,48 @@ static inline __attribute__((always_inline)) void sub_block_dots(Quads wq, const
   }
 }
 
-// Blocks of 32 (and 16, never packed so far): out[i][0 .. 31] = dots of the MR rows of panel p,
-// fp32 acc += (float)(int sum) * d * scale (- min * dsum) per sub-block.
+// Blocks of 32 (and 16, never packed so far): out[i][0 .. 31] = dots of the MR rows of panel p.
+// Per weight sub-block, t += (float)(int dot) * scale (- min * quant sum); per activation block
+// of QB values, out += t * da. With QB > G the activation scale is applied once per QB / G
+// sub-blocks: one float operation per sub-block less (each takes a vpdpbusd's pipe slot).
 static inline __attribute__((always_inline)) void micro(Quads wq, const float* restrict sT,
                                                         const float* restrict mT, const Acts* a,
                                                         int64_t K, int64_t p, const int MR,
-                                                        const int G, const int MINS,
-                                                        float* out) {
-  const int64_t subs = K / G;
+                                                        const int G, const int QB,
+                                                        const int MINS, float* out) {
+  const int64_t subs = K / G, per = QB / G;
   const int8_t* q = a->q + p * K * MR_MAX;
   const int32_t* corr = a->corr + p * subs * MR_MAX;
-  const float* dd = a->d + p * subs * MR_MAX;
-  const float* ds = MINS ? a->dsum + p * subs * MR_MAX : NULL;
-  __m512 f[MR_MAX][2];
-  for (int i = 0; i < MR; i++) f[i][0] = f[i][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < subs; g++) {
-    __m512i acc[MR_MAX][2];
-    sub_block_dots(wq, q, corr, g, MR, G, acc);
-    const __m512 s0 = _mm512_load_ps(sT + g * NT), s1 = _mm512_load_ps(sT + g * NT + 16);
-    for (int i = 0; i < MR; i++) {
-      const __m512 dv = _mm512_set1_ps(dd[g * MR_MAX + i]);
-      f[i][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][0]), dv), s0, f[i][0]);
-      f[i][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][1]), dv), s1, f[i][1]);
-    }
-    if (MINS) {
-      const __m512 n0 = _mm512_load_ps(mT + g * NT), n1 = _mm512_load_ps(mT + g * NT + 16);
+  const int32_t* sums = MINS ? a->sums + p * subs * MR_MAX : NULL;
+  const float* da = a->d + p * (K / QB) * MR_MAX;
+  memset(out, 0, sizeof(float) * MR * NT);
+  for (int64_t ab = 0; ab < K / QB; ab++) {
+    __m512 t[MR_MAX][2];
+    for (int i = 0; i < MR; i++) t[i][0] = t[i][1] = _mm512_setzero_ps();
+    for (int64_t g = ab * per; g < (ab + 1) * per; g++) {
+      __m512i acc[MR_MAX][2];
+      sub_block_dots(wq, q, corr, g, MR, G, acc);
+      const __m512 s0 = _mm512_load_ps(sT + g * NT), s1 = _mm512_load_ps(sT + g * NT + 16);
       for (int i = 0; i < MR; i++) {
-        const __m512 sv = _mm512_set1_ps(ds[g * MR_MAX + i]);
-        f[i][0] = _mm512_fnmadd_ps(n0, sv, f[i][0]);
-        f[i][1] = _mm512_fnmadd_ps(n1, sv, f[i][1]);
+        t[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][0]), s0, t[i][0]);
+        t[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][1]), s1, t[i][1]);
+      }
+      if (MINS) {
+        const __m512 n0 = _mm512_load_ps(mT + g * NT), n1 = _mm512_load_ps(mT + g * NT + 16);
+        for (int i = 0; i < MR; i++) {
+          const __m512 sv = _mm512_set1_ps((float)sums[g * MR_MAX + i]);
+          t[i][0] = _mm512_fnmadd_ps(n0, sv, t[i][0]);
+          t[i][1] = _mm512_fnmadd_ps(n1, sv, t[i][1]);
+        }
       }
     }
-  }
-  for (int i = 0; i < MR; i++) {
-    _mm512_storeu_ps(out + i * NT, f[i][0]);
-    _mm512_storeu_ps(out + i * NT + 16, f[i][1]);
+    for (int i = 0; i < MR; i++) {
+      const __m512 dv = _mm512_set1_ps(da[ab * MR_MAX + i]);
+      for (int h = 0; h < 2; h++) {
+        float* o = out + i * NT + 16 * h;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(t[i][h], dv, _mm512_loadu_ps(o)));
+      }
+    }
   }
 }
 

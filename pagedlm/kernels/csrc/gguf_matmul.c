@@ -311,7 +311,7 @@ __attribute__((optimize("fp-contract=off"))) int gguf_dequantize_rows(
 // Returns 0 for another block or when out of memory.
 int quantize_rows_q8(const void* x, int64_t M, int64_t K, int bf16, int64_t block, int8_t* q,
                      float* d) {
-  if ((block != 32 && block != 256) || K % block) return 0;
+  if ((block != 32 && block != 128 && block != 256) || K % block) return 0;
   float* buf = malloc(sizeof(float) * K);
   if (buf == NULL) return 0;
   for (int64_t m = 0; m < M; m++)

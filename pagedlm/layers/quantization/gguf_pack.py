@@ -71,9 +71,12 @@ class PackedGGUFWeight:
 
     @property
     def gemm_act_block(self) -> int:
-        """Values per activation scale in the integer GEMM: 256 for the K-quants (ggml's Q8_K,
-        so a super-block's sub-blocks combine in integers), else 32 (the GEMV's always)."""
-        return 256 if self.super_scales is not None else 32
+        """Values per activation scale in the integer GEMM (the GEMV's are always 32): 256 for
+        the K-quants (ggml's Q8_K, so a super-block's sub-blocks combine in integers); 128 for
+        blocks of 32 where K allows (one float multiply per block of 32 less), else 32."""
+        if self.super_scales is not None:
+            return 256
+        return 128 if self.shape[1] % 128 == 0 else 32
 
     def nbytes(self) -> int:
         parts = (self.qs, self.qh, self.scales, self.mins, self.super_scales, self.super_mins)
@@ -310,7 +313,7 @@ def dequantize_packed(
 
 
 def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 q [M, K], fp32 d [M, K/block]) per block of 32 (or 256) values:
+    """x [M, K] -> (int8 q [M, K], fp32 d [M, K/block]) per block of 32, 128 or 256 values:
     d = amax / 127, q = round-half-even(x * (127 / amax)) -- the kernels' own quantization,
     op for op."""
     m, k = x.shape
