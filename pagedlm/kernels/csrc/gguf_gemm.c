@@ -93,6 +93,33 @@ static void free_scratch(Scratch* s) {
   free(s->msup);
 }
 
+// Part `part` of `parts` of tile pair tp's packed bytes (quants, scales, mins) prefetched into
+// L2, so that the next pair streams in while this one computes: the weights of a decode step
+// come from DRAM (every step reads all of them, far more than L3 holds).
+static inline __attribute__((always_inline)) void prefetch_pair(const QWeight* w, int64_t tp,
+                                                              int64_t part, int64_t parts) {
+  if (tp < 0 || 2 * tp >= num_tiles(w)) return;
+  const int64_t K = w->K, subs = K / w->group;
+  const int64_t scale_bytes = w->kind == SCALES_F32 ? 4 : w->kind == SCALES_F16 ? 2 : 1;
+  const struct {
+    const void* base;
+    int64_t per_tile;  // bytes
+  } fields[] = {{w->qs, (w->bits == 8 ? K / 4 : K / 8) * 64},
+                {w->qh, w->bits > 4 && w->bits < 8 ? K / 8 * 16 * (w->bits - 4) : 0},
+                {w->scales, subs * TILE * scale_bytes},
+                {w->mins, subs * TILE * scale_bytes},
+                {w->sup, K / 256 * TILE * 4},
+                {w->msup, K / 256 * TILE * 4}};
+  const int64_t pair_tiles = 2 * tp + 1 < num_tiles(w) ? 2 : 1;
+  for (size_t f = 0; f < sizeof fields / sizeof fields[0]; f++) {
+    if (fields[f].base == NULL || fields[f].per_tile == 0) continue;
+    const char* at = (const char*)fields[f].base + 2 * tp * fields[f].per_tile;
+    const int64_t lines = (pair_tiles * fields[f].per_tile + 63) / 64;
+    for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; i++)
+      _mm_prefetch(at + 64 * i, _MM_HINT_T1);
+  }
+}
+
 #define MICRO_FOR(NAME, KERNEL, ...)                                                          \
   static void NAME(Quads wq, const Scratch* s, const Acts* a, int64_t K, int64_t p, int mr,   \
                    float* out) {                                                              \
@@ -202,8 +229,12 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
           const __m512 bias0 = _mm512_loadu_ps(bv), bias1 = _mm512_loadu_ps(bv + 16);
           const __mmask16 lanes0 = cols >= 16 ? 0xFFFF : (1u << cols) - 1;
           const __mmask16 lanes1 = cols >= NT ? 0xFFFF : cols > 16 ? (1u << (cols - 16)) - 1 : 0;
+          // the pair after this one: the next tile, or the first one again for the next block
+          const int64_t next = t + 1 < t1 ? t + 1 : b1 < rows ? t0 : -1;
+          const int64_t panels = (b1 - b0 + MR_MAX - 1) / MR_MAX;
           for (int64_t m0 = b0; m0 < b1; m0 += MR_MAX) {
             const int mr = b1 - m0 < MR_MAX ? (int)(b1 - m0) : MR_MAX;
+            prefetch_pair(&w, next, (m0 - b0) / MR_MAX, panels);
             float out[MR_MAX * NT];
             micro_kernel(wq, &s, &a, K, m0 / MR_MAX, mr, out);
             for (int i = 0; i < mr; i++) {
