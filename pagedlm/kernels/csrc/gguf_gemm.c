@@ -95,7 +95,8 @@ static void free_scratch(Scratch* s) {
 
 // Part `part` of `parts` of tile pair tp's packed bytes (quants, scales, mins) prefetched into
 // L2, so that the next pair streams in while this one computes: the weights of a decode step
-// come from DRAM (every step reads all of them, far more than L3 holds).
+// come from DRAM (every step reads all of them, far more than L3 holds). always_inline: gcc
+// removes calls of a function whose only effect is a prefetch.
 static inline __attribute__((always_inline)) void prefetch_pair(const QWeight* w, int64_t tp,
                                                               int64_t part, int64_t parts) {
   if (tp < 0 || 2 * tp >= num_tiles(w)) return;

@@ -29,7 +29,8 @@ typedef struct {
   int64_t block, slot, last_block;  // table index and slot of the current token
 } BlockWalk;
 
-static inline void prefetch_block(const BlockWalk* w, int64_t block) {
+// always_inline: gcc removes calls of a function whose only effect is a prefetch.
+static inline __attribute__((always_inline)) void prefetch_block(const BlockWalk* w, int64_t block) {
   if (block > w->last_block) return;
   const int64_t first = w->table[block] * w->block_size;
   for (int64_t r = 0; r < w->block_size; r++) {
