@@ -32,6 +32,8 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
   const int64_t* table = a->block_table + req * a->max_blocks;
   const int64_t rows = (i1 - i0) * G;
   const int64_t rows_pad = (rows + 7) & ~(int64_t)7;
+  // The AVX-512 paths keep scores in base 2 (scale * log2(e) folded in, exp2 in the softmax).
+  const float scale = PATH == 0 ? a->scale : a->scale * 1.4426950408889634f;
   // queries: prescaled fp32, or raw bf16 pairs (scale applied to the scores)
   for (int64_t r = 0; r < rows_pad; r++) {
     if (r >= rows) {
@@ -46,7 +48,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
       memcpy(s->qb + r * (d / 2), (const uint16_t*)a->q + off, sizeof(uint16_t) * d);
     } else {
       load_row(a->q, off, d, a->bf16, s->qf + r * d);
-      for (int64_t x = 0; x < d; x++) s->qf[r * d + x] *= a->scale;
+      for (int64_t x = 0; x < d; x++) s->qf[r * d + x] *= scale;
     }
     s->m[r] = -INFINITY;
     s->l[r] = 0.f;
@@ -66,7 +68,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
 #ifdef PAGEDLM_PREFILL_BF16
     if (PATH == 2) {
       pack_bf16(a, table, kh, t0, hi, (uint32_t*)s->kt, (uint16_t*)s->vf, DV, kn);
-      qk_bf16(s->qb, (const uint32_t*)s->kt, s->p, rows_pad, a->scale, DV, kn);
+      qk_bf16(s->qb, (const uint32_t*)s->kt, s->p, rows_pad, scale, DV, kn);
     }
 #endif
 #ifdef PAGEDLM_AVX512
@@ -89,7 +91,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
       }
 #ifdef PAGEDLM_AVX512
       if (PATH != 0) {
-        softmax_row_avx512(s, r, jlo, jhi, kn);
+        softmax_row_avx512(s, r, jlo, jhi, kn, PATH == 2 ? s->pb : NULL);
         continue;
       }
 #endif
@@ -167,8 +169,9 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
   if (bf16 && kind != KV_F32 && (head_size == 64 || head_size == 128 || head_size == 256))
     path = 2;
 #endif
-  // Query tokens per item: about 128 rows, fewer while there are too few items for the threads.
-  int64_t tile = 128 / group > 1 ? 128 / group : 1;
+  // Query tokens per item: about 256 rows (each key tile's packing serves them all; their
+  // scores, 128 KiB, stay in L2), fewer while there are too few items for the threads.
+  int64_t tile = 256 / group > 1 ? 256 / group : 1;
   tile = tile > 64 ? 64 : tile;
   int64_t num_items = 0;
   for (;;) {

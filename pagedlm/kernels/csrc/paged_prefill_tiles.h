@@ -155,25 +155,35 @@ static inline __mmask16 lane_mask(int kg, int64_t jlo, int64_t jhi) {
 }
 
 // softmax_row on one vector; lanes outside jlo..jhi are masked off (garbage scores allowed).
-static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_t jhi, int kn) {
+// The probabilities go to p[r] as fp32, or with pb (the BF16 path) to pb[r] as bf16 only.
+static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_t jhi, int kn,
+                                      uint32_t* pb) {
   float* pr = s->p + r * KT;
+  uint16_t* pbr = pb != NULL ? (uint16_t*)(pb + r * (KT / 2)) : NULL;
   if (jlo > jhi) {
-    for (int kg = 0; kg < kn; kg += 16) _mm512_storeu_ps(pr + kg, _mm512_setzero_ps());
+    for (int kg = 0; kg < kn; kg += 16) {
+      if (pbr != NULL) _mm256_storeu_si256((__m256i*)(pbr + kg), _mm256_setzero_si256());
+      else _mm512_storeu_ps(pr + kg, _mm512_setzero_ps());
+    }
     s->alpha[r] = 0.f;
     s->rs[r] = 0.f;
     return;
   }
+  const int whole = jlo == 0 && jhi >= kn - 1;  // most tiles: no lane masked
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int kg = 0; kg < kn; kg += 16)
-    mx = _mm512_mask_max_ps(mx, lane_mask(kg, jlo, jhi), mx, _mm512_loadu_ps(pr + kg));
+  for (int kg = 0; kg < kn; kg += 16) {
+    const __mmask16 lanes = whole ? 0xFFFF : lane_mask(kg, jlo, jhi);
+    mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_loadu_ps(pr + kg));
+  }
   const float tile_max = _mm512_reduce_max_ps(mx);
   const float m_new = tile_max > s->m[r] ? tile_max : s->m[r];
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int kg = 0; kg < kn; kg += 16) {
-    const __m512 sc = _mm512_loadu_ps(pr + kg);
-    const __m512 e = _mm512_maskz_mov_ps(lane_mask(kg, jlo, jhi), exp512(_mm512_sub_ps(sc, vm)));
-    _mm512_storeu_ps(pr + kg, e);
+    const __mmask16 lanes = whole ? 0xFFFF : lane_mask(kg, jlo, jhi);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_512(_mm512_sub_ps(_mm512_loadu_ps(pr + kg), vm)));
+    if (pbr != NULL) _mm256_storeu_si256((__m256i*)(pbr + kg), (__m256i)_mm512_cvtneps_pbh(e));
+    else _mm512_storeu_ps(pr + kg, e);
     sum = _mm512_add_ps(sum, e);
   }
   s->alpha[r] = s->m[r] - m_new;  // the rescale factor's exponent: see rescale_rows_avx512
@@ -181,12 +191,12 @@ static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_
   s->m[r] = m_new;
 }
 
-// After softmax_row_avx512 of every row: alpha = exp(alpha) and l = l * alpha + rs, 16 rows a
-// vector (one exp512 instead of a scalar expf per row and tile).
+// After softmax_row_avx512 of every row: alpha = 2^alpha and l = l * alpha + rs, 16 rows a
+// vector (one exp2_512 instead of a scalar exp2f per row and tile).
 static inline void rescale_rows_avx512(Scratch* s, int64_t rows) {
   for (int64_t r = 0; r < rows; r += 16) {
     const __mmask16 k = rows - r >= 16 ? 0xFFFF : (__mmask16)((1u << (rows - r)) - 1);
-    const __m512 alpha = exp512(_mm512_maskz_loadu_ps(k, s->alpha + r));
+    const __m512 alpha = exp2_512(_mm512_maskz_loadu_ps(k, s->alpha + r));
     _mm512_mask_storeu_ps(s->alpha + r, k, alpha);
     const __m512 l = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s->l + r), alpha,
                                      _mm512_maskz_loadu_ps(k, s->rs + r));
@@ -309,10 +319,6 @@ static inline __attribute__((always_inline)) void pv_bf16(Scratch* s, const uint
                                                           int64_t rows, const int DV, int kn) {
   const int64_t d = 16 * DV;
   const int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;  // 16 accumulators; rows: a multiple of 8
-  for (int64_t r = 0; r < rows; r++)  // probabilities as bf16 pairs
-    for (int kg = 0; kg < kn; kg += 16)
-      _mm256_storeu_si256((__m256i*)(s->pb + r * (KT / 2) + kg / 2),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s->p + r * KT + kg)));
   for (int64_t r0 = 0; r0 < rows; r0 += RB) {
     __m512 acc[4][16];
     for (int i = 0; i < RB; i++) {
