@@ -7,6 +7,7 @@ workers; control calls (`collective_rpc`, `apply_model`) go through the executor
 
 from __future__ import annotations
 
+import gc
 import logging
 import secrets
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from pagedlm.engine.input_processor import EngineCoreRequest, InputProcessor
 from pagedlm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedlm.engine.tokenizer import load_tokenizer
 from pagedlm.executor import Executor
+from pagedlm.gc_utils import freeze_gc_heap
 from pagedlm.lora.engine import EngineLoRAMixin
 from pagedlm.metrics import (
     IterationStats,
@@ -77,6 +79,7 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         self._num_preemptions_logged = 0
         self._init_control()
         self._init_lora()
+        freeze_gc_heap()
 
     @classmethod
     def from_engine_args(
@@ -333,3 +336,4 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
+        gc.unfreeze()

@@ -13,6 +13,7 @@ import torch
 from pagedlm.config import VllmConfig
 from pagedlm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.distributed import init_distributed_environment
+from pagedlm.gc_utils import freeze_gc_heap
 from pagedlm.lora.worker_mixin import WorkerLoRAMixin
 from pagedlm.platforms import current_platform
 from pagedlm.worker.control import WorkerControlMixin
@@ -70,6 +71,7 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._runner().initialize_kv_cache(num_blocks, block_size)
+        freeze_gc_heap()  # the worker's startup is over (a worker process's own heap)
 
     # ----------------------------------------------------------------- step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
