@@ -158,7 +158,7 @@ static inline __m512 exp512(__m512 x) {
 
 // 2^x on 16 lanes: 2^n * p(x - n), n = round(x), p the degree-7 Taylor polynomial of
 // e^(r ln 2) on |r| <= 1/2 (relative error < 1e-8); x below -150 (-inf included) gives 0.
-// Ten operations against exp512's fifteen: softmaxes whose scores are in base 2 use it.
+// Ten operations against exp512's fifteen (softmaxes in base 2 and SiLU use it).
 static inline __m512 exp2_512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -174,34 +174,40 @@ static inline __m512 exp2_512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Round 16 fp32 lanes to bf16 precision (nearest even), keeping them fp32; NaN stays NaN.
-static inline __m512 round512_bf16(__m512 x) {
+// 16 fp32 lanes as bf16 bits, rounded to nearest even; NaN stays NaN. With AVX-512 BF16 one
+// vcvtneps2bf16, which also flushes fp32 denormals (|x| < 2^-126) to zero.
+static inline __m256i bf16_bits512(__m512 x) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), nan, x);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+
+// Round 16 fp32 lanes to bf16 precision, keeping them fp32 (as bf16_bits512).
+static inline __m512 round512_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits512(x)), 16));
 }
 
 // Store 16 lanes as bf16 (rounded) or fp32.
 static inline void store16(void* base, int64_t offset, __m512 x, int bf16) {
-  if (bf16) {
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round512_bf16(x)), 16);
-    _mm256_storeu_si256((__m256i*)((uint16_t*)base + offset), _mm512_cvtepi32_epi16(bits));
-  } else {
+  if (bf16)
+    _mm256_storeu_si256((__m256i*)((uint16_t*)base + offset), bf16_bits512(x));
+  else
     _mm512_storeu_ps((float*)base + offset, x);
-  }
 }
 
 // store16 of the lanes in `lanes` only.
 static inline void store16_lanes(void* base, int64_t offset, __m512 x, int bf16, __mmask16 lanes) {
-  if (bf16) {
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round512_bf16(x)), 16);
-    _mm256_mask_storeu_epi16((uint16_t*)base + offset, lanes, _mm512_cvtepi32_epi16(bits));
-  } else {
+  if (bf16)
+    _mm256_mask_storeu_epi16((uint16_t*)base + offset, lanes, bf16_bits512(x));
+  else
     _mm512_mask_storeu_ps((float*)base + offset, lanes, x);
-  }
 }
 
 // In-place transpose of a 16 x 16 fp32 matrix held in 16 registers.

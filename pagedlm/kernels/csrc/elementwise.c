@@ -111,7 +111,7 @@ int silu_and_mul(const void* x, void* out, int64_t rows, int64_t d, int bf16, in
       const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= d; i += 16) {
         const __m512 g = load16(x, r * 2 * d + i, bf16);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 e = exp2_512(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)));
         __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
         if (bf16) s = round512_bf16(s);
         store16(out, r * d + i, _mm512_mul_ps(s, load16(x, r * 2 * d + d + i, bf16)), bf16);
