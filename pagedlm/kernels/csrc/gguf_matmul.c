@@ -15,9 +15,9 @@
 // acc -= min * d * (sum of quants); scales and mins decoded as stored (fp16, or 8-bit
 // sub-scales times the super-block's fp32 d). The portable path does the same in plain C.
 //
-// Larger batches (`gguf_gemm`, gguf_gemm.c): the same activation quantization (per 256 values
-// on K-quants), tile pairs unpacked to bytes in a per-thread scratch, a register-blocked
-// vpdpbusd GEMM.
+// Larger batches (`gguf_gemm`, gguf_gemm.c): the same activation quantization but per 256
+// values on K-quants and per 128 on blocks of 32 where K allows, tile pairs unpacked to bytes
+// in a per-thread scratch, a register-blocked vpdpbusd GEMM.
 //
 // Dequantization (`gguf_dequantize_rows`, for float GEMMs where there is no VNNI): rows of W
 // exactly as the PyTorch twin computes them (fp32, no fused multiply-add).
