@@ -22,8 +22,11 @@ def make_paged(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
+    rising: float = 0.0,
 ):
-    """A cache holding every request's whole sequence in shuffled blocks, and its queries."""
+    """A cache holding every request's whole sequence in shuffled blocks, and its queries.
+    With `rising`, scores grow by about that many nats per key position (keys and queries
+    share a direction), so that every row's max keeps moving along the context."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in specs]
     nblocks = [(s + block_size - 1) // block_size for s in seq_lens]
@@ -36,6 +39,11 @@ def make_paged(
         at += nb
     # finite garbage everywhere the sequences do not write (other requests' stale rows)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    direction = torch.full((head_size,), head_size**-0.5)  # unit; q . k scaled by d^-0.5
+    for r, s in enumerate(seq_lens):
+        pos = torch.arange(s)
+        blocks, offsets = table[r, pos // block_size], pos % block_size
+        cache[0, blocks, offsets] += (rising * head_size**0.5 * pos)[:, None, None] * direction
     cache = cache.to(dtype)
     keys, values = [], []
     for r, s in enumerate(seq_lens):
@@ -43,7 +51,12 @@ def make_paged(
         blocks, offsets = table[r, pos // block_size], pos % block_size
         keys.append(cache[0, blocks, offsets].float())
         values.append(cache[1, blocks, offsets].float())
-    queries = [torch.randn(n, num_heads, head_size, generator=gen).to(dtype) for _, n in specs]
+    queries = [
+        (0.3 * torch.randn(n, num_heads, head_size, generator=gen) + direction).to(dtype)
+        if rising
+        else torch.randn(n, num_heads, head_size, generator=gen).to(dtype)
+        for _, n in specs
+    ]
     qsl = torch.tensor([0] + [n for _, n in specs]).cumsum(0)
     return cache, table, torch.tensor(seq_lens), qsl, queries, keys, values
 
@@ -79,9 +92,9 @@ def sdpa_path(q, cache, table_row, seq_len, scale, window):
     return o.squeeze(0).transpose(0, 1)
 
 
-def check(specs, heads, kv_heads, d, block_size, dtype, window, seed=0, strided=False):
+def check(specs, heads, kv_heads, d, block_size, dtype, window, seed=0, strided=False, rising=0.0):
     cache, table, seq_lens, qsl, queries, keys, values = make_paged(
-        specs, heads, kv_heads, d, block_size, dtype, seed
+        specs, heads, kv_heads, d, block_size, dtype, seed, rising
     )
     scale = d**-0.5
     query = torch.cat(queries)
@@ -135,6 +148,19 @@ def test_block_sizes(dtype, block_size) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_query_rows(dtype) -> None:
     check([(10, 30), (0, 17)], 8, 2, 64, 16, dtype, None, strided=True)
+
+
+# fp32 stops at 0.08: scores of ~200 nats carry more fp32 rounding than its tolerance
+@pytest.mark.parametrize(
+    ("dtype", "rising"),
+    [(torch.float32, 0.01), (torch.float32, 0.08)]
+    + [(torch.bfloat16, rising) for rising in (0.01, 0.03, 0.3)],
+)
+def test_scores_rising_along_the_context(dtype, rising) -> None:
+    """Later key tiles keep raising each row's max, slowly (within the AVX-512 paths' lazy-max
+    slack: probabilities above 1 and, in bf16, tiles redone when their sums pass it) or fast
+    (every tile rescales the accumulators; at 0.3, bf16 probabilities overflow unless redone)."""
+    check([(0, 300), (600, 40)], 8, 2, 64, 16, dtype, None, seed=7, rising=rising)
 
 
 def test_many_chunks_of_one_sequence_compose() -> None:

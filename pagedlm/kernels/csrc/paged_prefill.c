@@ -7,8 +7,10 @@
 // sliding window). Work items are (request, kv head, tile of query tokens); an item holds the
 // rows (token, query head of the kv head's group) of its tile, walks the key range its rows can
 // see in tiles of KT keys, converts each key/value tile once into a packed scratch layout and
-// keeps a running max, sum and fp32 accumulator per row. Memory: O(rows x head_size + KT x
-// head_size) per thread; no mask and no gathered copy of the context exists.
+// keeps a running (AVX-512: lazy reference) max, sum and fp32 accumulator per row; per tile,
+// blocks of RB_ROWS rows take scores, softmax and P.V in turn, so that their scores stay in L1.
+// Memory: O(rows x head_size + KT x head_size) per thread; no mask and no gathered copy of the
+// context exists.
 //
 // Three inner paths share this structure: portable C (any head size), AVX-512 in fp32
 // (head_size % 16 == 0) and AVX-512 BF16 dot products (bf16 queries, bf16 or fp8 cache,
@@ -17,6 +19,8 @@
 
 #include "common.h"
 #include "paged_prefill_tiles.h"
+
+#define ITEM_ROWS 512  // rows (query token x head of the group) per work item
 
 // ---------------------------------------------------------------- one work item
 // PATH 0: portable, 1: AVX-512 fp32, 2: AVX-512 BF16. DV = head_size / 16 for paths 1 and 2.
@@ -34,7 +38,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
   const int64_t rows_pad = (rows + 7) & ~(int64_t)7;
   // The AVX-512 paths keep scores in base 2 (scale * log2(e) folded in, exp2 in the softmax).
   const float scale = PATH == 0 ? a->scale : a->scale * 1.4426950408889634f;
-  // queries: prescaled fp32, or raw bf16 pairs (scale applied to the scores)
+  // queries: prescaled fp32, or raw bf16 pairs (the BF16 softmax applies the scale)
   for (int64_t r = 0; r < rows_pad; r++) {
     if (r >= rows) {
       if (PATH == 2)
@@ -50,67 +54,70 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
       load_row(a->q, off, d, a->bf16, s->qf + r * d);
       for (int64_t x = 0; x < d; x++) s->qf[r * d + x] *= scale;
     }
-    s->m[r] = -INFINITY;
-    s->l[r] = 0.f;
   }
-  for (int64_t r = rows; r < rows_pad; r++) {
-    s->m[r] = -INFINITY;
-    s->l[r] = 0.f;
-  }
+  for (int64_t r = 0; r < rows_pad; r++) s->m[r] = -INFINITY;
+  memset(s->l, 0, sizeof(float) * 16 * rows_pad);
   memset(s->acc, 0, sizeof(float) * rows_pad * d);
   const int64_t first_q = pos0 + i0, last_q = pos0 + i1 - 1;
   const int64_t lo = a->window > 0 && first_q - a->window + 1 > 0 ? first_q - a->window + 1 : 0;
   const int64_t hi = last_q + 1;  // keys lo .. hi - 1
   for (int64_t t0 = lo; t0 < hi; t0 += KT) {
-    // keys of this tile rounded up to a vector: the last tile skips its empty vectors
-    const int kn = hi - t0 >= KT ? KT : (int)((hi - t0 + 15) & ~(int64_t)15);
-    (void)kn;
+    // keys of this tile rounded up to two vectors: the last tile skips its empty vectors
+    const int kn = hi - t0 >= KT ? KT : (int)((hi - t0 + 31) & ~(int64_t)31);
 #ifdef PAGEDLM_PREFILL_BF16
-    if (PATH == 2) {
-      pack_bf16(a, table, kh, t0, hi, (uint32_t*)s->kt, (uint16_t*)s->vf, DV, kn);
-      qk_bf16(s->qb, (const uint32_t*)s->kt, s->p, rows_pad, scale, DV, kn);
-    }
+    if (PATH == 2) pack_bf16(a, table, kh, t0, hi, (uint32_t*)s->kt, (uint16_t*)s->vf, DV, kn);
 #endif
 #ifdef PAGEDLM_AVX512
-    if (PATH == 1) {
-      pack_f32_avx512(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
-      qk_f32_avx512(s->qf, s->kt, s->p, rows_pad, DV, kn);
-    }
+    if (PATH == 1) pack_f32_avx512(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
 #endif
-    if (PATH == 0) {
-      pack_f32(a, table, kh, t0, hi, s->kt, s->vf, s->acc + rows_pad * d);
-      qk_f32(s->qf, s->kt, s->p, rows_pad, d);
-    }
-    for (int64_t r = 0; r < rows_pad; r++) {
-      int64_t jlo = 0, jhi = -1;  // padded rows see nothing
-      if (r < rows) {
-        const int64_t qpos = first_q + r / G;
-        const int64_t klo = a->window > 0 ? qpos - a->window + 1 : 0;
-        jlo = klo > t0 ? klo - t0 : 0;
-        jhi = qpos - t0 < KT - 1 ? qpos - t0 : KT - 1;
-      }
-#ifdef PAGEDLM_AVX512
-      if (PATH != 0) {
-        softmax_row_avx512(s, r, jlo, jhi, kn, PATH == 2 ? s->pb : NULL);
-        continue;
-      }
-#endif
-      softmax_row(s, r, jlo, jhi);
-    }
-#ifdef PAGEDLM_AVX512
-    if (PATH != 0) rescale_rows_avx512(s, rows_pad);
-#endif
+    if (PATH == 0) pack_f32(a, table, kh, t0, hi, s->kt, s->vf, s->acc + rows_pad * d);
+    // Row blocks: scores, softmax and P.V of RB_ROWS rows while their scores are in L1.
+    for (int64_t rb = 0; rb < rows_pad; rb += RB_ROWS) {
 #ifdef PAGEDLM_PREFILL_BF16
-    if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rows_pad, DV, kn);
+      if (PATH == 2) qk_bf16(s->qb + rb * (d / 2), (const uint32_t*)s->kt, s->p, RB_ROWS, DV, kn);
 #endif
 #ifdef PAGEDLM_AVX512
-    if (PATH == 1) pv_f32_avx512(s, s->vf, rows_pad, DV, kn);
+      if (PATH == 1) qk_f32_avx512(s->qf + rb * d, s->kt, s->p, RB_ROWS, DV, kn);
 #endif
-    if (PATH == 0) pv_f32(s, s->vf, rows_pad, d);
+      if (PATH == 0) qk_f32(s->qf + rb * d, s->kt, s->p, RB_ROWS, d);
+      for (int64_t r = rb; r < rb + RB_ROWS; r++) {
+        int64_t jlo = 0, jhi = -1;  // padded rows see nothing
+        if (r < rows) {
+          const int64_t qpos = first_q + r / G;
+          const int64_t klo = a->window > 0 ? qpos - a->window + 1 : 0;
+          jlo = klo > t0 ? klo - t0 : 0;
+          jhi = qpos - t0 < KT - 1 ? qpos - t0 : KT - 1;
+        }
+        float* pr = s->p + (r - rb) * KT;
+#ifdef PAGEDLM_PREFILL_BF16
+        if (PATH == 2) {
+          uint16_t* pbr = (uint16_t*)(s->pb + (r - rb) * (KT / 2));
+          softmax_row_bf16(s, pr, pbr, r, jlo, jhi, kn, scale);
+          continue;
+        }
+#endif
+#ifdef PAGEDLM_AVX512
+        if (PATH == 1) {
+          softmax_row_avx512(s, pr, r, jlo, jhi, kn);
+          continue;
+        }
+#endif
+        softmax_row(s, pr, r, jlo, jhi);
+      }
+#ifdef PAGEDLM_PREFILL_BF16
+      if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rb, DV, kn);
+#endif
+#ifdef PAGEDLM_AVX512
+      if (PATH == 1) pv_f32_avx512(s, s->vf, rb, DV, kn);
+#endif
+      if (PATH == 0) pv_f32(s, s->vf, rb, d);
+    }
   }
   for (int64_t r = 0; r < rows; r++) {
     float* acc = s->acc + r * d;
-    const float inv = 1.f / s->l[r];  // l >= 1: every row sees its own position
+    float l = 0.f;
+    for (int x = 0; x < 16; x++) l += s->l[16 * r + x];
+    const float inv = 1.f / l;  // l >= 1: every row sees its own position
     for (int64_t x = 0; x < d; x++) acc[x] *= inv;
     const int64_t token = q_start + i0 + r / G;
     store_row(a->out, (token * a->num_heads + kh * G + r % G) * d, d, a->bf16, acc);
@@ -169,10 +176,10 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
   if (bf16 && kind != KV_F32 && (head_size == 64 || head_size == 128 || head_size == 256))
     path = 2;
 #endif
-  // Query tokens per item: about 256 rows (each key tile's packing serves them all; their
-  // scores, 128 KiB, stay in L2), fewer while there are too few items for the threads.
-  int64_t tile = 256 / group > 1 ? 256 / group : 1;
-  tile = tile > 64 ? 64 : tile;
+  // Query tokens per item: about ITEM_ROWS rows (each key tile's packing serves them all),
+  // fewer while there are too few items for the threads.
+  int64_t tile = ITEM_ROWS / group > 1 ? ITEM_ROWS / group : 1;
+  tile = tile > ITEM_ROWS / 4 ? ITEM_ROWS / 4 : tile;
   int64_t num_items = 0;
   for (;;) {
     num_items = 0;
@@ -200,16 +207,15 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     // acc has one more row of slack: the portable packer's conversion row
     s.acc = malloc(sizeof(float) * (rows_cap + 1) * d);
     s.m = malloc(sizeof(float) * rows_cap);
-    s.l = malloc(sizeof(float) * rows_cap);
+    s.l = malloc(sizeof(float) * rows_cap * 16);
     s.alpha = malloc(sizeof(float) * rows_cap);
-    s.rs = malloc(sizeof(float) * rows_cap);
-    s.p = malloc(sizeof(float) * rows_cap * KT);
-    s.pb = malloc(sizeof(uint32_t) * rows_cap * KT / 2);
+    s.p = malloc(sizeof(float) * RB_ROWS * KT);
+    s.pb = malloc(sizeof(uint32_t) * RB_ROWS * KT / 2);
     s.kt = malloc(sizeof(float) * d * KT);
     s.vf = malloc(sizeof(float) * d * KT);
     s.qf = malloc(sizeof(float) * rows_cap * d);
     s.qb = malloc(sizeof(uint32_t) * rows_cap * d / 2 + 4);
-    const int ok = s.acc && s.m && s.l && s.alpha && s.rs && s.p && s.pb && s.kt && s.vf && s.qf && s.qb;
+    const int ok = s.acc && s.m && s.l && s.alpha && s.p && s.pb && s.kt && s.vf && s.qf && s.qb;
     if (!ok) {
 #pragma omp atomic write
       failed = 1;
@@ -234,7 +240,6 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     free(s.m);
     free(s.l);
     free(s.alpha);
-    free(s.rs);
     free(s.p);
     free(s.pb);
     free(s.kt);

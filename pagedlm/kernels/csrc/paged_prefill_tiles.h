@@ -5,7 +5,10 @@
 #include "common.h"
 
 #define KT 128  // keys per tile: eight vectors of fp32 scores per row, so that the per-row
-               // reductions and rescaling of the online softmax are paid once per 128 keys
+               // work of the online softmax is paid once per 128 keys
+#define RB_ROWS 8  // rows whose scores, softmax and P.V are computed together (in L1)
+#define MAX_SLACK 8.f  // AVX-512 paths: a row's reference max (base 2) moves only when a score
+                       // exceeds it by more than this, so probabilities stay <= 2^8
 
 typedef struct {
   const void *q, *k_cache, *v_cache;
@@ -17,8 +20,11 @@ typedef struct {
   int bf16, kind;  // queries / out in bf16; the cache's element kind (KV_*)
 } Args;
 
+// Per row: acc (head_size fp32), m (the running or reference max), l (the running sum; the
+// AVX-512 paths keep 16 per-lane partial sums, reduced at the end), alpha (the factor of acc
+// for the current tile). p / pb: one row block's scores or probabilities (fp32 / bf16 pairs).
 typedef struct {
-  float *acc, *m, *l, *alpha, *rs, *p, *kt, *vf, *qf;
+  float *acc, *m, *l, *alpha, *p, *kt, *vf, *qf;
   uint32_t *qb, *pb;
   int64_t rows_cap;
 } Scratch;
@@ -59,10 +65,9 @@ static void qk_f32(const float* qf, const float* kt, float* p, int64_t rows, int
   }
 }
 
-// Online softmax update of row r over the tile's valid lanes jlo..jhi (scores in p[r], scaled);
-// leaves the probabilities in p[r] (0 outside) and the accumulator's rescale factor in alpha[r].
-static inline void softmax_row(Scratch* s, int64_t r, int64_t jlo, int64_t jhi) {
-  float* pr = s->p + r * KT;
+// Online softmax update of row r over the tile's valid lanes jlo..jhi (scores in pr, scaled);
+// leaves the probabilities in pr (0 outside) and the accumulator's rescale factor in alpha[r].
+static inline void softmax_row(Scratch* s, float* pr, int64_t r, int64_t jlo, int64_t jhi) {
   if (jlo > jhi) {
     memset(pr, 0, sizeof(float) * KT);
     s->alpha[r] = 1.f;
@@ -77,15 +82,16 @@ static inline void softmax_row(Scratch* s, int64_t r, int64_t jlo, int64_t jhi) 
     sum += pr[j];
   }
   s->alpha[r] = expf(s->m[r] - m_new);
-  s->l[r] = s->l[r] * s->alpha[r] + sum;
+  s->l[16 * r] = s->l[16 * r] * s->alpha[r] + sum;  // one lane of the row's 16
   s->m[r] = m_new;
 }
 
-static void pv_f32(Scratch* s, const float* vf, int64_t rows, int64_t d) {
-  for (int64_t r = 0; r < rows; r++) {
+// Rows r0 .. r0 + RB_ROWS - 1 (probabilities in p): acc = acc * alpha + p . V.
+static void pv_f32(Scratch* s, const float* vf, int64_t r0, int64_t d) {
+  for (int64_t r = r0; r < r0 + RB_ROWS; r++) {
     float* restrict acc = s->acc + r * d;
     const float al = s->alpha[r];
-    const float* pr = s->p + r * KT;
+    const float* pr = s->p + (r - r0) * KT;
 #pragma omp simd
     for (int64_t x = 0; x < d; x++) acc[x] *= al;
     for (int j = 0; j < KT; j++) {
@@ -154,19 +160,16 @@ static inline __mmask16 lane_mask(int kg, int64_t jlo, int64_t jhi) {
   return (__mmask16)(upto & ~below);
 }
 
-// softmax_row on one vector; lanes outside jlo..jhi are masked off (garbage scores allowed).
-// The probabilities go to p[r] as fp32, or with pb (the BF16 path) to pb[r] as bf16 only.
-static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_t jhi, int kn,
-                                      uint32_t* pb) {
-  float* pr = s->p + r * KT;
-  uint16_t* pbr = pb != NULL ? (uint16_t*)(pb + r * (KT / 2)) : NULL;
+// Online softmax update of row r over the lanes jlo..jhi of its scores pr (base 2; other lanes
+// masked off, garbage allowed), with a lazy reference max: m[r] changes (and the row's acc and
+// partial sums are rescaled by alpha[r] = 2^(m_old - m_new)) only when a score exceeds it by
+// more than MAX_SLACK, else alpha[r] = 1. The probabilities replace the scores in pr; l[r]
+// keeps 16 per-lane partial sums.
+static inline void softmax_row_avx512(Scratch* s, float* pr, int64_t r, int64_t jlo, int64_t jhi,
+                                      int kn) {
+  s->alpha[r] = 1.f;
   if (jlo > jhi) {
-    for (int kg = 0; kg < kn; kg += 16) {
-      if (pbr != NULL) _mm256_storeu_si256((__m256i*)(pbr + kg), _mm256_setzero_si256());
-      else _mm512_storeu_ps(pr + kg, _mm512_setzero_ps());
-    }
-    s->alpha[r] = 0.f;
-    s->rs[r] = 0.f;
+    for (int kg = 0; kg < kn; kg += 16) _mm512_storeu_ps(pr + kg, _mm512_setzero_ps());
     return;
   }
   const int whole = jlo == 0 && jhi >= kn - 1;  // most tiles: no lane masked
@@ -175,51 +178,45 @@ static inline void softmax_row_avx512(Scratch* s, int64_t r, int64_t jlo, int64_
     const __mmask16 lanes = whole ? 0xFFFF : lane_mask(kg, jlo, jhi);
     mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_loadu_ps(pr + kg));
   }
-  const float tile_max = _mm512_reduce_max_ps(mx);
-  const float m_new = tile_max > s->m[r] ? tile_max : s->m[r];
-  const __m512 vm = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_setzero_ps();
+  float* lr = s->l + 16 * r;
+  __m512 sum = _mm512_loadu_ps(lr);
+  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(s->m[r] + MAX_SLACK), _CMP_GT_OQ)) {
+    const float m_new = _mm512_reduce_max_ps(mx);
+    s->alpha[r] = exp2f(s->m[r] - m_new);  // 0 on the row's first tile (m = -inf)
+    sum = _mm512_mul_ps(sum, _mm512_set1_ps(s->alpha[r]));
+    s->m[r] = m_new;
+  }
+  const __m512 vm = _mm512_set1_ps(s->m[r]);
   for (int kg = 0; kg < kn; kg += 16) {
     const __mmask16 lanes = whole ? 0xFFFF : lane_mask(kg, jlo, jhi);
     const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_512(_mm512_sub_ps(_mm512_loadu_ps(pr + kg), vm)));
-    if (pbr != NULL) _mm256_storeu_si256((__m256i*)(pbr + kg), (__m256i)_mm512_cvtneps_pbh(e));
-    else _mm512_storeu_ps(pr + kg, e);
+    _mm512_storeu_ps(pr + kg, e);
     sum = _mm512_add_ps(sum, e);
   }
-  s->alpha[r] = s->m[r] - m_new;  // the rescale factor's exponent: see rescale_rows_avx512
-  s->rs[r] = _mm512_reduce_add_ps(sum);
-  s->m[r] = m_new;
+  _mm512_storeu_ps(lr, sum);
 }
 
-// After softmax_row_avx512 of every row: alpha = 2^alpha and l = l * alpha + rs, 16 rows a
-// vector (one exp2_512 instead of a scalar exp2f per row and tile).
-static inline void rescale_rows_avx512(Scratch* s, int64_t rows) {
-  for (int64_t r = 0; r < rows; r += 16) {
-    const __mmask16 k = rows - r >= 16 ? 0xFFFF : (__mmask16)((1u << (rows - r)) - 1);
-    const __m512 alpha = exp2_512(_mm512_maskz_loadu_ps(k, s->alpha + r));
-    _mm512_mask_storeu_ps(s->alpha + r, k, alpha);
-    const __m512 l = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s->l + r), alpha,
-                                     _mm512_maskz_loadu_ps(k, s->rs + r));
-    _mm512_mask_storeu_ps(s->l + r, k, l);
-  }
+// Loads acc of row r, times alpha[r] unless it is 1 (the common case).
+static inline __attribute__((always_inline)) __m512 load_acc(const Scratch* s, int64_t r,
+                                                             int64_t d, int c) {
+  const __m512 acc = _mm512_loadu_ps(s->acc + r * d + 16 * c);
+  return s->alpha[r] == 1.f ? acc : _mm512_mul_ps(acc, _mm512_set1_ps(s->alpha[r]));
 }
 
-// acc[r] = acc[r] * alpha[r] + p[r] . V, two rows at a time where the accumulators fit.
+// Rows rb .. rb + RB_ROWS - 1 (probabilities in p): acc = acc * alpha + p . V, two rows at a
+// time where the accumulators fit.
 static inline __attribute__((always_inline)) void pv_f32_avx512(Scratch* s, const float* vf,
-                                                                int64_t rows, const int DV,
+                                                                int64_t rb, const int DV,
                                                                 int kn) {
   const int64_t d = 16 * DV;
-  const int RB = DV <= 8 ? 2 : 1;  // rows are padded to a multiple of 8
-  for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+  const int RB = DV <= 8 ? 2 : 1;
+  for (int64_t r0 = rb; r0 < rb + RB_ROWS; r0 += RB) {
     __m512 acc[2][16];
-    for (int i = 0; i < RB; i++) {
-      const __m512 al = _mm512_set1_ps(s->alpha[r0 + i]);
-      for (int c = 0; c < DV; c++)
-        acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(s->acc + (r0 + i) * d + 16 * c), al);
-    }
+    for (int i = 0; i < RB; i++)
+      for (int c = 0; c < DV; c++) acc[i][c] = load_acc(s, r0 + i, d, c);
     for (int j = 0; j < kn; j++) {
       __m512 pj[2];
-      for (int i = 0; i < RB; i++) pj[i] = _mm512_set1_ps(s->p[(r0 + i) * KT + j]);
+      for (int i = 0; i < RB; i++) pj[i] = _mm512_set1_ps(s->p[(r0 - rb + i) * KT + j]);
       for (int c = 0; c < DV; c++) {
         const __m512 v = _mm512_loadu_ps(vf + j * d + 16 * c);
         for (int i = 0; i < RB; i++) acc[i][c] = _mm512_fmadd_ps(pj[i], v, acc[i][c]);
@@ -294,42 +291,122 @@ static inline __attribute__((always_inline)) void pack_bf16(const Args* a, const
   }
 }
 
+// 2^x to within 7.5e-5 (relative; a degree-3 polynomial in x - floor(x)), for probabilities
+// rounded to bf16 (2^-9) next; lanes off `lanes` are 0, whatever their x.
+static inline __m512 exp2_bf16_512(__mmask16 lanes, __m512 x) {
+  const __m512 f = _mm512_reduce_ps(x, 0x09);  // x - floor(x), in [0, 1)
+  __m512 p = _mm512_set1_ps(0.07802452147006989f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2260671705007553f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958335041999817f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999251961708069f));
+  return _mm512_maskz_scalef_ps(lanes, p, x);  // p * 2^floor(x)
+}
+
+// Probabilities 2^(score * scale - m) of one row's tile as bf16 (pbr), two vectors per step;
+// adds their sum to the 16 lanes of *sum (by dot products with ones, pairs of keys per lane).
+// Returns 0 when some lane's sum exceeds 2^MAX_SLACK (then a probability may be that large).
+static inline __attribute__((always_inline)) int exp_tile_bf16(const float* pr, uint16_t* pbr,
+                                                               float m, float scale, int64_t jlo,
+                                                               int64_t jhi, int kn, __m512* sum) {
+  const int whole = jlo == 0 && jhi >= kn - 1;  // most tiles: no lane masked
+  const __m512 vm = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale);
+  const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80);
+  __m512 t = _mm512_setzero_ps();
+  for (int kg = 0; kg < kn; kg += 32) {
+    const __mmask16 lo = whole ? 0xFFFF : lane_mask(kg, jlo, jhi);
+    const __mmask16 hi = whole ? 0xFFFF : lane_mask(kg + 16, jlo, jhi);
+    const __m512 e0 = exp2_bf16_512(lo, _mm512_fmsub_ps(_mm512_loadu_ps(pr + kg), vscale, vm));
+    const __m512 e1 = exp2_bf16_512(hi, _mm512_fmsub_ps(_mm512_loadu_ps(pr + kg + 16), vscale, vm));
+    const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);  // keys kg .. kg + 31 in order
+    _mm512_storeu_si512(pbr + kg, (__m512i)pb);
+    t = _mm512_dpbf16_ps(t, pb, ones);
+  }
+  *sum = _mm512_add_ps(*sum, t);
+  return !_mm512_cmp_ps_mask(t, _mm512_set1_ps(exp2f(MAX_SLACK)), _CMP_GT_OQ);
+}
+
+// softmax_row_avx512 for the BF16 path: raw scores in pr (times scale: base 2), probabilities
+// as bf16 to pbr, summed as rounded. The max is taken only on a row's first tile and when the
+// tile's sums say a probability may exceed 2^MAX_SLACK (then the tile is redone).
+static inline __attribute__((always_inline)) void softmax_row_bf16(Scratch* s, const float* pr,
+                                                                   uint16_t* pbr, int64_t r,
+                                                                   int64_t jlo, int64_t jhi,
+                                                                   int kn, float scale) {
+  s->alpha[r] = 1.f;
+  if (jlo > jhi) {
+    for (int kg = 0; kg < kn; kg += 32) _mm512_storeu_si512(pbr + kg, _mm512_setzero_si512());
+    return;
+  }
+  float* lr = s->l + 16 * r;
+  __m512 sum = _mm512_loadu_ps(lr);
+  if (s->m[r] == -INFINITY || !exp_tile_bf16(pr, pbr, s->m[r], scale, jlo, jhi, kn, &sum)) {
+    sum = _mm512_loadu_ps(lr);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int kg = 0; kg < kn; kg += 16)
+      mx = _mm512_mask_max_ps(mx, lane_mask(kg, jlo, jhi), mx, _mm512_loadu_ps(pr + kg));
+    const float tile_max = _mm512_reduce_max_ps(mx) * scale;
+    if (tile_max > s->m[r]) {
+      s->alpha[r] = exp2f(s->m[r] - tile_max);  // 0 on the row's first tile (m = -inf)
+      sum = _mm512_mul_ps(sum, _mm512_set1_ps(s->alpha[r]));
+      s->m[r] = tile_max;
+    }
+    exp_tile_bf16(pr, pbr, s->m[r], scale, jlo, jhi, kn, &sum);
+  }
+  _mm512_storeu_ps(lr, sum);
+}
+
+// Raw scores (q . k) of `rows` rows (a multiple of 4) in blocks of 4 rows x 4 vectors of keys
+// (16 accumulators, 8 loads per 16 dot products), a last partial block by single vectors.
 static inline __attribute__((always_inline)) void qk_bf16(const uint32_t* qb, const uint32_t* kp,
-                                                          float* p, int64_t rows, float scale,
-                                                          const int DV, int kn) {
+                                                          float* p, int64_t rows, const int DV,
+                                                          int kn) {
   const int64_t dp = 8 * DV;  // pairs per row
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    for (int kg = 0; kg < kn; kg += 16) {
-      __m512 s[8];
-      for (int i = 0; i < 8; i++) s[i] = _mm512_setzero_ps();
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    int kg = 0;
+    for (; kg + 64 <= kn; kg += 64) {
+      __m512 s[4][4];
+      for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) s[i][c] = _mm512_setzero_ps();
+      for (int64_t x = 0; x < dp; x++) {
+        __m512bh k[4];
+        for (int c = 0; c < 4; c++) k[c] = (__m512bh)_mm512_loadu_si512(kp + x * KT + kg + 16 * c);
+        for (int i = 0; i < 4; i++) {
+          const __m512bh q = (__m512bh)_mm512_set1_epi32((int)qb[(r0 + i) * dp + x]);
+          for (int c = 0; c < 4; c++) s[i][c] = _mm512_dpbf16_ps(s[i][c], q, k[c]);
+        }
+      }
+      for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++)
+          _mm512_storeu_ps(p + (r0 + i) * KT + kg + 16 * c, s[i][c]);
+    }
+    for (; kg < kn; kg += 16) {
+      __m512 s[4];
+      for (int i = 0; i < 4; i++) s[i] = _mm512_setzero_ps();
       for (int64_t x = 0; x < dp; x++) {
         const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + x * KT + kg);
-        for (int i = 0; i < 8; i++)
+        for (int i = 0; i < 4; i++)
           s[i] =
               _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32((int)qb[(r0 + i) * dp + x]), k);
       }
-      for (int i = 0; i < 8; i++)
-        _mm512_storeu_ps(p + (r0 + i) * KT + kg, _mm512_mul_ps(s[i], vscale));
+      for (int i = 0; i < 4; i++)
+        _mm512_storeu_ps(p + (r0 + i) * KT + kg, s[i]);
     }
   }
 }
 
+// pv_f32_avx512 with bf16 probabilities (pb) and values (vp, pairs of tokens).
 static inline __attribute__((always_inline)) void pv_bf16(Scratch* s, const uint16_t* vp,
-                                                          int64_t rows, const int DV, int kn) {
+                                                          int64_t rb, const int DV, int kn) {
   const int64_t d = 16 * DV;
-  const int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;  // 16 accumulators; rows: a multiple of 8
-  for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+  const int RB = DV == 4 ? 4 : DV == 8 ? 2 : 1;  // 16 accumulators
+  for (int64_t r0 = rb; r0 < rb + RB_ROWS; r0 += RB) {
     __m512 acc[4][16];
-    for (int i = 0; i < RB; i++) {
-      const __m512 al = _mm512_set1_ps(s->alpha[r0 + i]);
-      for (int c = 0; c < DV; c++)
-        acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(s->acc + (r0 + i) * d + 16 * c), al);
-    }
+    for (int i = 0; i < RB; i++)
+      for (int c = 0; c < DV; c++) acc[i][c] = load_acc(s, r0 + i, d, c);
     for (int jp = 0; jp < kn / 2; jp++) {
       __m512bh pp[4];
       for (int i = 0; i < RB; i++)
-        pp[i] = (__m512bh)_mm512_set1_epi32((int)s->pb[(r0 + i) * (KT / 2) + jp]);
+        pp[i] = (__m512bh)_mm512_set1_epi32((int)s->pb[(r0 - rb + i) * (KT / 2) + jp]);
       for (int c = 0; c < DV; c++) {
         const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + (jp * d + 16 * c) * 2);
         for (int i = 0; i < RB; i++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pp[i], v);
