@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from pagedlm.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedlm.attention.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv
 from pagedlm.kernels.cpu import cpu_kernels
-from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
+from pagedlm.kernels.cpu_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    reshape_and_cache,
+)
 
 
 @dataclass
@@ -169,15 +173,19 @@ class TorchSDPABackend(AttentionBackend):
         flat_v = v_cache.view(-1, num_kv_heads, head_size)
         num_tokens = metadata.slot_mapping.shape[0]
         fp8 = is_fp8(kv_cache.dtype)
-        if fp8:  # torch has no fp8 index_copy_ on the CPU: copy the bytes
-            slots = metadata.slot_mapping
-            qk = quantize_kv(key[:num_tokens], k_scale, kv_cache.dtype)
-            qv = quantize_kv(value[:num_tokens], v_scale, kv_cache.dtype)
-            flat_k.view(torch.uint8).index_copy_(0, slots, qk.view(torch.uint8))
-            flat_v.view(torch.uint8).index_copy_(0, slots, qv.view(torch.uint8))
+        new_k, new_v = key[:num_tokens], value[:num_tokens]
+        if fp8:
+            new_k = quantize_kv(new_k, k_scale, kv_cache.dtype)
+            new_v = quantize_kv(new_v, v_scale, kv_cache.dtype)
+        slots = metadata.slot_mapping
+        if self.kernels is not None and query.device.type == "cpu":
+            reshape_and_cache(self.kernels, new_k, new_v, k_cache, v_cache, slots)
+        elif fp8:  # torch has no fp8 index_copy_ on the CPU: copy the bytes
+            flat_k.view(torch.uint8).index_copy_(0, slots, new_k.view(torch.uint8))
+            flat_v.view(torch.uint8).index_copy_(0, slots, new_v.view(torch.uint8))
         else:
-            flat_k.index_copy_(0, metadata.slot_mapping, key[:num_tokens])
-            flat_v.index_copy_(0, metadata.slot_mapping, value[:num_tokens])
+            flat_k.index_copy_(0, slots, new_k)
+            flat_v.index_copy_(0, slots, new_v)
 
         nd = metadata.num_decode_tokens
         if nd == query.shape[0]:  # a decode-only step: the kernel's output is the result
@@ -207,8 +215,8 @@ class TorchSDPABackend(AttentionBackend):
             )
             return out
         if fp8 and metadata.fresh_groups:  # attend what the cache holds, as the kernels do
-            key = dequantize_kv(qk, k_scale, key.dtype)
-            value = dequantize_kv(qv, v_scale, value.dtype)
+            key = dequantize_kv(new_k, k_scale, key.dtype)
+            value = dequantize_kv(new_v, v_scale, value.dtype)
         for group in metadata.fresh_groups:
             self._fresh_prefills(query, key, value, out, group, scale, sliding_window)
         for chunk in metadata.prefills:

@@ -31,7 +31,7 @@ from pagedlm.distributed import get_tp_group
 from pagedlm.kernels import cpu as kc
 from pagedlm.kernels import gguf as kg
 from pagedlm.kernels.cpu import SMALL_BATCH_ROWS
-from pagedlm.kernels.cpu_attention import paged_decode_args
+from pagedlm.kernels.cpu_attention import paged_decode_args, reshape_and_cache_args
 from pagedlm.layers.activation import SiluAndMul
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.layernorm import RMSNorm
@@ -47,8 +47,9 @@ from pagedlm.models.llama import (
 
 MAX_ROWS = SMALL_BATCH_ROWS  # the packed GGUF GEMM and the small-batch bf16 kernel reach here
 
-# How a call reports success: C kernels return 1 (0: out of memory), the attention kernel 0;
-# torch methods return tensors.
+# How a call reports success: C kernels return 1 (0: out of memory), the attention kernel 0
+# (-1: out of memory), reshape_and_cache 0 (else: slots out of range); torch methods return
+# tensors.
 _OK_NONZERO, _OK_ZERO, _NO_STATUS = 1, 0, None
 
 
@@ -240,10 +241,9 @@ class LlamaDecodePlan:
         layer_attn = attn.attn
         k_cache, v_cache = layer_attn.kv_cache[0], layer_attn.kv_cache[1]
         kv_heads, head_size = k_cache.shape[2:]
-        for cache, new in ((k_cache, k), (v_cache, v)):
-            flat = cache.view(-1, kv_heads, head_size)
-            source = new.view(rows, kv_heads, head_size)
-            self.calls.append((flat.index_copy_, (0, self.slots, source), _NO_STATUS))
+        new_k, new_v = (t.view(rows, kv_heads, head_size) for t in (k, v))
+        args = reshape_and_cache_args(new_k, new_v, k_cache, v_cache, self.slots)
+        self.calls.append((lib.reshape_and_cache, args, _OK_ZERO))
         query = q.view(rows, attn.num_heads, attn.head_dim)
         if rows > 1:  # the kernel reads contiguous queries
             self.calls.append((self.query.copy_, (query,), _NO_STATUS))
@@ -284,5 +284,6 @@ class LlamaDecodePlan:
         for fn, args, ok in self.calls:
             status = fn(*args)
             if ok is not None and (status != 0) != (ok == _OK_NONZERO):
-                raise MemoryError(f"decode plan: C kernel {fn.__name__} ran out of memory")
+                # reshape_and_cache: slots outside the cache; the others: out of memory
+                raise RuntimeError(f"decode plan: C kernel {fn.__name__} failed ({status})")
         return self.out

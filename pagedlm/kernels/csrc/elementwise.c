@@ -1,4 +1,5 @@
-// Row-wise kernels of the decoder layer: residual add + RMSNorm, SiLU(gate) * up, and RoPE.
+// Row-wise kernels of the decoder layer: residual add + RMSNorm, SiLU(gate) * up, RoPE, and
+// the paged KV cache write.
 // Math runs in fp32; with bf16 tensors every intermediate that PyTorch (and Hugging Face) store
 // in bf16 is rounded to bf16 at the same point, so results match the PyTorch path.
 #include <stdlib.h>
@@ -190,4 +191,24 @@ int rotary_embedding(void* q, void* k, const int64_t* positions, const float* co
     free(buf);
   }
   return ok;
+}
+
+// The paged cache write of a step's new tokens (vLLM's reshape_and_cache): row i of key and
+// value (row_bytes contiguous bytes each, rows key_stride / value_stride bytes apart) to row
+// slots[i] of k_cache / v_cache (row_bytes apart). Returns the number of slots outside
+// 0 .. num_slots - 1; nothing is written then.
+int64_t reshape_and_cache(const void* key, const void* value, int64_t key_stride,
+                          int64_t value_stride, void* k_cache, void* v_cache,
+                          const int64_t* slots, int64_t tokens, int64_t row_bytes,
+                          int64_t num_slots, int num_threads) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < tokens; i++) bad += slots[i] < 0 || slots[i] >= num_slots;
+  if (bad) return bad;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= 64)
+  for (int64_t i = 0; i < tokens; i++) {
+    memcpy((char*)k_cache + slots[i] * row_bytes, (const char*)key + i * key_stride, row_bytes);
+    memcpy((char*)v_cache + slots[i] * row_bytes, (const char*)value + i * value_stride,
+           row_bytes);
+  }
+  return 0;
 }
