@@ -1,6 +1,6 @@
-// Inner paths of paged_prefill.c: the work item's arguments and scratch, and per tile of KT
-// keys the packing of keys/values, the scores of all rows and the online-softmax update of the
-// accumulators, in portable C, AVX-512 fp32 and AVX-512 BF16 dot products.
+// Inner paths of paged_prefill.c: the work item's arguments and scratch, per tile of KT keys
+// the packing of keys/values, and per block of RB_ROWS rows their scores, online-softmax update
+// and weighted values, in portable C, AVX-512 fp32 and AVX-512 BF16 dot products.
 #pragma once
 #include "common.h"
 
@@ -133,7 +133,7 @@ static inline __attribute__((always_inline)) void pack_f32_avx512(const Args* a,
   }
 }
 
-// Scores of 8 rows at a time (rows are padded to a multiple of 8 with zero queries).
+// Scores of 8 rows at a time (a row block; padded rows have zero queries).
 static inline __attribute__((always_inline)) void qk_f32_avx512(const float* qf, const float* kt,
                                                                 float* p, int64_t rows,
                                                                 const int DV, int kn) {
