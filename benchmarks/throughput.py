@@ -216,12 +216,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{backend}: {json.dumps(r)}", file=sys.stderr, flush=True)
     results = {backend: median_round(rs) for backend, rs in rounds.items()}
     print(
-        f"\nworkload={args.workload} requests={len(requests)} threads={args.threads} model={model}"
+        f"\nworkload={args.workload} requests={len(requests)} threads={args.threads} "
+        f"allocator={args.allocator} model={model}"
     )
     print_table(results, len(requests))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"workload": args.workload, "results": results, "rounds": rounds}, indent=1)
+            json.dumps(
+                {
+                    "workload": args.workload,
+                    "allocator": args.allocator,
+                    "results": results,
+                    "rounds": rounds,
+                },
+                indent=1,
+            )
         )
 
 
