@@ -18,7 +18,7 @@
 #include <stdlib.h>
 
 #include "common.h"
-#include "paged_prefill_tiles.h"
+#include "paged_prefill_bf16.h"  // includes paged_prefill_tiles.h
 
 #define ITEM_ROWS 512  // rows (query token x head of the group) per work item
 
