@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 
-import numpy as np
 import psutil
 import torch
 
@@ -38,23 +36,6 @@ class CpuPlatform(Platform):
     # MLP rows per chunk, so that the gate/up output stays in cache: the default model's 64 x 128
     # prefill takes 10.6 s (packed GGUF) / 14.6 s (bf16) at 512, 11.3 / 15.0 at 128, 12.2 whole
     dense_chunk_rows = 512
-
-    def zeros_lazy(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Anonymous memory the OS maps on first write, advised into transparent huge pages
-        where the kernel allows (THP "madvise" or "always"): a paged KV cache is read block by
-        block all over its range, and with 4 KiB pages nearly every block is a TLB miss (decode
-        attention over 24 layers of 8 x 4096 tokens: 1.84 -> 1.57 ms per layer)."""
-        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-        if nbytes == 0:
-            return torch.zeros(shape, dtype=dtype)
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                buf.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # a kernel without THP: 4 KiB pages
-                pass
-        # the tensor keeps `buf` alive through the buffer protocol
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
     def supports_bf16(self) -> bool:
         cpu = torch.cpu

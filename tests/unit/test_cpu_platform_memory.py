@@ -1,5 +1,6 @@
-"""The CPU platform's lazily mapped zero tensors (the paged KV caches): zero, writable, kept
-alive by the tensor, and mapped only where written (a 1 GiB cache costs no 1 GiB up front)."""
+"""Lazily mapped host zero tensors (`Platform.zeros_lazy`, every paged KV cache on the CPU):
+zero, writable, kept alive by the tensor, and mapped only where written (a 1 GiB cache costs
+no 1 GiB up front)."""
 
 from __future__ import annotations
 
