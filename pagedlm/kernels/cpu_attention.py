@@ -57,6 +57,14 @@ KV_CACHE_KINDS = {
 }
 
 
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The layout every kernel reading or writing the paged caches assumes."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("caches must be [num_blocks, block_size, kv_heads, head_size], alike")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+
+
 def _check_paged_inputs(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor
 ) -> int:
@@ -68,10 +76,9 @@ def _check_paged_inputs(
         raise TypeError(f"unsupported KV cache dtypes {k_cache.dtype}, {v_cache.dtype}")
     if k_cache.dtype.itemsize >= 2 and k_cache.dtype != query.dtype:
         raise TypeError(f"a {k_cache.dtype} cache needs {k_cache.dtype} queries, not {query.dtype}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != query.shape[2]:
+    _check_cache_pair(k_cache, v_cache)
+    if k_cache.shape[3] != query.shape[2]:
         raise ValueError("caches must be [num_blocks, block_size, kv_heads, head_size], alike")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
     if query.shape[1] % k_cache.shape[2] != 0:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
     if block_table.dtype != torch.int64 or block_table.dim() != 2:
@@ -251,10 +258,7 @@ def reshape_and_cache_args(
     slot_mapping: torch.Tensor,  # [tokens] int64, flat slot (block * block_size + offset)
 ) -> tuple:
     """The checked arguments of the C `reshape_and_cache` (which checks the slots' range)."""
-    if k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError("caches must be [num_blocks, block_size, kv_heads, head_size], alike")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
+    _check_cache_pair(k_cache, v_cache)
     row = tuple(k_cache.shape[2:])
     tokens = slot_mapping.shape[0]
     for name, t in (("key", key), ("value", value)):
