@@ -35,7 +35,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
   const int64_t pos0 = seq_len - q_len;  // position of the chunk's first query
   const int64_t* table = a->block_table + req * a->max_blocks;
   const int64_t rows = (i1 - i0) * G;
-  const int64_t rows_pad = (rows + 7) & ~(int64_t)7;
+  const int64_t rows_pad = (rows + RB_ROWS - 1) / RB_ROWS * RB_ROWS;  // whole row blocks
   // The AVX-512 paths keep scores in base 2 (scale * log2(e) folded in, exp2 in the softmax).
   const float scale = PATH == 0 ? a->scale : a->scale * 1.4426950408889634f;
   // queries: prescaled fp32, or raw bf16 pairs (the BF16 softmax applies the scale)
@@ -197,7 +197,7 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     const int64_t n = query_start_loc[r + 1] - query_start_loc[r];
     first_item[r + 1] = first_item[r] + (n + tile - 1) / tile * num_kv_heads;
   }
-  const int64_t rows_cap = ((tile * group + 7) & ~(int64_t)7);
+  const int64_t rows_cap = (tile * group + RB_ROWS - 1) / RB_ROWS * RB_ROWS;
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {

@@ -117,15 +117,8 @@ static inline __attribute__((always_inline)) void softmax_row_bf16(Scratch* s, c
   __m512 sum = _mm512_loadu_ps(lr);
   if (s->m[r] == -INFINITY || !exp_tile_bf16(pr, pbr, s->m[r], scale, jlo, jhi, kn, &sum)) {
     sum = _mm512_loadu_ps(lr);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int kg = 0; kg < kn; kg += 16)
-      mx = _mm512_mask_max_ps(mx, lane_mask(kg, jlo, jhi), mx, _mm512_loadu_ps(pr + kg));
-    const float tile_max = _mm512_reduce_max_ps(mx) * scale;
-    if (tile_max > s->m[r]) {
-      s->alpha[r] = exp2f(s->m[r] - tile_max);  // 0 on the row's first tile (m = -inf)
-      sum = _mm512_mul_ps(sum, _mm512_set1_ps(s->alpha[r]));
-      s->m[r] = tile_max;
-    }
+    const float tile_max = _mm512_reduce_max_ps(tile_max512(pr, jlo, jhi, kn)) * scale;
+    if (tile_max > s->m[r]) sum = raise_max(s, r, tile_max, sum);
     exp_tile_bf16(pr, pbr, s->m[r], scale, jlo, jhi, kn, &sum);
   }
   _mm512_storeu_ps(lr, sum);

@@ -160,6 +160,25 @@ static inline __mmask16 lane_mask(int kg, int64_t jlo, int64_t jhi) {
   return (__mmask16)(upto & ~below);
 }
 
+// The lane-wise max of a row's tile over the lanes jlo..jhi of pr (-inf elsewhere).
+static inline __m512 tile_max512(const float* pr, int64_t jlo, int64_t jhi, int kn) {
+  const int whole = jlo == 0 && jhi >= kn - 1;  // most tiles: no lane masked
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int kg = 0; kg < kn; kg += 16) {
+    const __mmask16 lanes = whole ? 0xFFFF : lane_mask(kg, jlo, jhi);
+    mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_loadu_ps(pr + kg));
+  }
+  return mx;
+}
+
+// Moves row r's reference max up to m_new: alpha[r] = 2^(m - m_new) (0 on the row's first
+// tile, m = -inf) rescales its accumulator in the P.V; returns its lane sums rescaled.
+static inline __m512 raise_max(Scratch* s, int64_t r, float m_new, __m512 sum) {
+  s->alpha[r] = exp2f(s->m[r] - m_new);
+  s->m[r] = m_new;
+  return _mm512_mul_ps(sum, _mm512_set1_ps(s->alpha[r]));
+}
+
 // Online softmax update of row r over the lanes jlo..jhi of its scores pr (base 2; other lanes
 // masked off, garbage allowed), with a lazy reference max: m[r] changes (and the row's acc and
 // partial sums are rescaled by alpha[r] = 2^(m_old - m_new)) only when a score exceeds it by
@@ -173,19 +192,11 @@ static inline void softmax_row_avx512(Scratch* s, float* pr, int64_t r, int64_t 
     return;
   }
   const int whole = jlo == 0 && jhi >= kn - 1;  // most tiles: no lane masked
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int kg = 0; kg < kn; kg += 16) {
-    const __mmask16 lanes = whole ? 0xFFFF : lane_mask(kg, jlo, jhi);
-    mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_loadu_ps(pr + kg));
-  }
+  const __m512 mx = tile_max512(pr, jlo, jhi, kn);
   float* lr = s->l + 16 * r;
   __m512 sum = _mm512_loadu_ps(lr);
-  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(s->m[r] + MAX_SLACK), _CMP_GT_OQ)) {
-    const float m_new = _mm512_reduce_max_ps(mx);
-    s->alpha[r] = exp2f(s->m[r] - m_new);  // 0 on the row's first tile (m = -inf)
-    sum = _mm512_mul_ps(sum, _mm512_set1_ps(s->alpha[r]));
-    s->m[r] = m_new;
-  }
+  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(s->m[r] + MAX_SLACK), _CMP_GT_OQ))
+    sum = raise_max(s, r, _mm512_reduce_max_ps(mx), sum);
   const __m512 vm = _mm512_set1_ps(s->m[r]);
   for (int kg = 0; kg < kn; kg += 16) {
     const __mmask16 lanes = whole ? 0xFFFF : lane_mask(kg, jlo, jhi);
