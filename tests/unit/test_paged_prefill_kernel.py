@@ -146,6 +146,14 @@ def test_block_sizes(dtype, block_size) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_items_across_key_tiles(dtype) -> None:
+    """Work items of 73 query tokens (group 7) that cross a 256-key tile: on the diagonal tile
+    the vector paths stop each row block at the keys its rows see, and blocks before the tile
+    see none of it."""
+    check([(0, 600), (190, 150)], 14, 2, 64, 16, dtype, None, seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_query_rows(dtype) -> None:
     check([(10, 30), (0, 17)], 8, 2, 64, 16, dtype, None, strided=True)
 

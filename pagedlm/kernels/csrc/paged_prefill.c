@@ -73,11 +73,16 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
     if (PATH == 0) pack_f32(a, table, kh, t0, hi, s->kt, s->vf, s->acc + rows_pad * d);
     // Row blocks: scores, softmax and P.V of RB_ROWS rows while their scores are in L1.
     for (int64_t rb = 0; rb < rows_pad; rb += RB_ROWS) {
+      // keys of the tile the block's last row can see, rounded up to two vectors: on the
+      // causal diagonal the vector paths stop there (the rest would be masked out)
+      const int64_t last = (rb + RB_ROWS < rows ? rb + RB_ROWS : rows) - 1;
+      const int64_t seen = first_q + last / G - t0 + 1;
+      const int kb = seen >= kn ? kn : seen <= 0 ? 32 : (int)((seen + 31) & ~(int64_t)31);
 #ifdef PAGEDLM_PREFILL_BF16
-      if (PATH == 2) qk_bf16(s->qb + rb * (d / 2), (const uint32_t*)s->kt, s->p, RB_ROWS, DV, kn);
+      if (PATH == 2) qk_bf16(s->qb + rb * (d / 2), (const uint32_t*)s->kt, s->p, RB_ROWS, DV, kb);
 #endif
 #ifdef PAGEDLM_AVX512
-      if (PATH == 1) qk_f32_avx512(s->qf + rb * d, s->kt, s->p, RB_ROWS, DV, kn);
+      if (PATH == 1) qk_f32_avx512(s->qf + rb * d, s->kt, s->p, RB_ROWS, DV, kb);
 #endif
       if (PATH == 0) qk_f32(s->qf + rb * d, s->kt, s->p, RB_ROWS, d);
       for (int64_t r = rb; r < rb + RB_ROWS; r++) {
@@ -92,23 +97,23 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
 #ifdef PAGEDLM_PREFILL_BF16
         if (PATH == 2) {
           uint16_t* pbr = (uint16_t*)(s->pb + (r - rb) * (KT / 2));
-          softmax_row_bf16(s, pr, pbr, r, jlo, jhi, kn, scale);
+          softmax_row_bf16(s, pr, pbr, r, jlo, jhi, kb, scale);
           continue;
         }
 #endif
 #ifdef PAGEDLM_AVX512
         if (PATH == 1) {
-          softmax_row_avx512(s, pr, r, jlo, jhi, kn);
+          softmax_row_avx512(s, pr, r, jlo, jhi, kb);
           continue;
         }
 #endif
         softmax_row(s, pr, r, jlo, jhi);
       }
 #ifdef PAGEDLM_PREFILL_BF16
-      if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rb, DV, kn);
+      if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rb, DV, kb);
 #endif
 #ifdef PAGEDLM_AVX512
-      if (PATH == 1) pv_f32_avx512(s, s->vf, rb, DV, kn);
+      if (PATH == 1) pv_f32_avx512(s, s->vf, rb, DV, kb);
 #endif
       if (PATH == 0) pv_f32(s, s->vf, rb, d);
     }
