@@ -151,9 +151,10 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
   {
     float* qf = malloc(sizeof(float) * group * head_size);
     float* acc = malloc(sizeof(float) * group * head_size);
-    // token-major scores: 16 heads wide (AMX) or group rounded up to 8; 32 rows of slack, as
-    // AMX scores whole aligned runs of 16 from below a split's start to above its end
-    const int64_t width = group <= 16 ? 16 : (group + 7) & ~(int64_t)7;
+    // scores: token-major and 16 heads wide for AMX, with 32 rows of slack (it scores whole
+    // aligned runs of 16 from below a split's start to above its end); head-major for AVX-512,
+    // each head's row max_piece rounded up to 16
+    const int64_t width = group > 16 ? group : 16;
     float* scores = malloc(sizeof(float) * width * (max_piece + 32));
     float* row = malloc(sizeof(float) * head_size);
 #ifdef PAGEDLM_AMX

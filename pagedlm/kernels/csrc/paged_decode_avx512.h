@@ -59,13 +59,13 @@ static inline int64_t walk_next(BlockWalk* w) {
   return (w->table[w->block] * w->block_size + w->slot) * w->token_stride + w->head_offset;
 }
 
-// out[g] = sum over tokens of p[t][g] * v[t] for the pair's heads; p rows are `stride` apart.
+// out[g] = sum over tokens of p[t * ts + g * gs] * v[t] for the pair's heads.
 // Heads go in passes of 16 / DV so that the accumulators fit in 16 registers.
 static inline __attribute__((always_inline)) void weighted_values(
     const void* v_cache, const int64_t* table, int64_t start, int64_t n, void* out, int64_t b,
     int64_t kh, int64_t num_heads, int64_t group, const int DV, int64_t token_stride,
-    int64_t block_size, int bf16, const KV* kv, float* part, const float* p, int64_t stride,
-    float* row) {
+    int64_t block_size, int bf16, const KV* kv, float* part, const float* p, int64_t ts,
+    int64_t gs, float* row) {
   const int64_t head_size = 16 * DV;
   const int64_t per_pass = DV >= 16 ? 1 : 16 / DV;
   for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void weighted_values(
       __m512 v[16];
       for (int c = 0; c < DV; c++) v[c] = load16_kv(v_cache, base + 16 * c, kv->kind, kv->v_scale);
       for (int64_t gi = 0; gi < gn; gi++) {
-        const __m512 pv = _mm512_set1_ps(p[t * stride + g0 + gi]);
+        const __m512 pv = _mm512_set1_ps(p[t * ts + (g0 + gi) * gs]);
         for (int c = 0; c < DV; c++) acc[gi * DV + c] = _mm512_fmadd_ps(pv, v[c], acc[gi * DV + c]);
       }
     }
@@ -90,134 +90,117 @@ static inline __attribute__((always_inline)) void weighted_values(
   }
 }
 
-// Lane i of the result = the sum of the 16 lanes of a[i], for i < 8 (a transposing reduction:
-// 24 shuffles and adds instead of 8 separate horizontal sums).
-static inline __m256 hsum8(const __m512 a[8]) {
-  __m512 b[4], c[2];
-  for (int i = 0; i < 4; i++) {
-    const __m512 x = a[2 * i], y = a[2 * i + 1];
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 2; i++) {  // quarter j of c[i] holds 4 partial sums of a[4i + j]
-    const __m512 x = b[2 * i], y = b[2 * i + 1];
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  const __m512 d = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
-  const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, _MM_SHUFFLE(1, 0, 3, 2)));
-  // lane 4j of e is the sum of a[j], lane 4j + 1 the sum of a[4 + j]
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, e));
-}
-
-// scores[t][g] = (q_g * scale) . k_t in fp32 for the pair's heads (queries from q_offset on),
-// token-major with rows G8 apart.
-static inline __attribute__((always_inline)) void scores_f32(const void* q, int64_t q_offset,
-                                                             const void* k_cache, BlockWalk* kw,
-                                                             int64_t n, int64_t group,
-                                                             const int DV, float scale, int bf16,
-                                                             const KV* kv, float* qf,
-                                                             float* scores, int64_t G8) {
+// Scores in base 2, head-major: scores[g * stride + t] = log2(e) * scale * q_g . k_t for the
+// pair's heads, -inf for the padding t = n .. stride - 1 (stride: n rounded up to 16).
+// Sixteen tokens at a time: each run of 16 elements (fp32 path) or element pairs (BF16) of
+// their key rows is transposed in registers (lane = token), then every head adds 16 FMAs
+// (vdpbf16ps) with its query's elements broadcast; the heads' chains are independent, so the
+// loop over them overlaps. BF16: raw bf16 queries against a bf16 cache, exact products and
+// fp32 sums, scaled after the sum; fp32: keys of any cache kind converted, queries prescaled
+// into qf.
+static inline __attribute__((always_inline)) void scores_t(
+    const void* q, int64_t q_offset, const void* k_cache, const void* v_cache, BlockWalk* kw,
+    int64_t n, int64_t group, const int DV, const int BF16, float scale, int bf16, const KV* kv,
+    float* qf, float* scores, int64_t stride) {
   const int64_t head_size = 16 * DV;
-  for (int64_t g = 0; g < group; g++)
-    for (int c = 0; c < DV; c++) {
-      const __m512 qv = load16(q, q_offset + g * head_size + 16 * c, bf16);
-      _mm512_storeu_ps(qf + g * head_size + 16 * c, _mm512_mul_ps(qv, _mm512_set1_ps(scale)));
+  const int RUNS = BF16 ? DV / 2 : DV;                  // runs of 16 elements (pairs) per row
+  const int64_t qn = BF16 ? head_size / 2 : head_size;  // elements (pairs) per query row
+  const float s2 = scale * 1.4426950408889634f;
+  const uint32_t* qp = (const uint32_t*)((const uint16_t*)q + q_offset);
+  if (!BF16)
+    for (int64_t g = 0; g < group; g++)
+      for (int c = 0; c < DV; c++)
+        _mm512_storeu_ps(qf + g * head_size + 16 * c,
+                         _mm512_mul_ps(load16(q, q_offset + g * head_size + 16 * c, bf16),
+                                       _mm512_set1_ps(s2)));
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int m = n - t0 < 16 ? (int)(n - t0) : 16;
+    int64_t base[16];
+    for (int i = 0; i < m; i++) {
+      base[i] = walk_next(kw);
+      // the same tokens' value rows into L2 for the weighted values: streamed now, while the
+      // scores leave memory idle, rather than waited for then
+      const char* vr = (const char*)v_cache + base[i] * kw->elem_bytes;
+      for (int64_t off = 0; off < kw->row_bytes; off += 64) _mm_prefetch(vr + off, _MM_HINT_T1);
     }
-  for (int64_t t = 0; t < n; t++) {
-    const int64_t base = walk_next(kw);
-    __m512 k[16];
-    for (int c = 0; c < DV; c++) k[c] = load16_kv(k_cache, base + 16 * c, kv->kind, kv->k_scale);
-    for (int64_t g0 = 0; g0 < group; g0 += 8) {
-      __m512 a[8];
-      for (int64_t i = 0; i < 8; i++) {
-        a[i] = _mm512_setzero_ps();
-        if (g0 + i >= group) continue;
-        const float* qg = qf + (g0 + i) * head_size;
-        for (int c = 0; c < DV; c++)
-          a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], a[i]);
+    for (int run = 0; run < RUNS; run++) {
+      __m512 r[16];  // fp32 elements, or bf16 pairs as 32-bit lanes
+      for (int i = 0; i < 16; i++) {
+        if (i >= m)
+          r[i] = _mm512_setzero_ps();
+        else if (BF16)
+          r[i] = _mm512_loadu_ps((const uint16_t*)k_cache + base[i] + 32 * run);
+        else
+          r[i] = load16_kv(k_cache, base[i] + 16 * run, kv->kind, kv->k_scale);
       }
-      _mm256_storeu_ps(scores + t * G8 + g0, hsum8(a));
-    }
-  }
-}
-
+      transpose16(r);
+      for (int64_t g = 0; g < group; g++) {
+        float* sg = scores + g * stride + t0;
+        __m512 a0 = run ? _mm512_loadu_ps(sg) : _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int j = 0; j < 16; j += 2) {  // two chains of 8
+          const int64_t c = g * qn + 16 * run + j;
 #ifdef __AVX512BF16__
-// Scores of bf16 queries (qh: the pair's first head) against a bf16 cache: vdpbf16ps on the
-// raw pairs (exact products, fp32 sums), scaled after the sum; [n][G8] as the fp32 path.
-static inline __attribute__((always_inline)) void scores_bf16(const uint16_t* qh,
-                                                              const void* k_cache, BlockWalk* kw,
-                                                              int64_t n, int64_t group,
-                                                              const int DV, float scale,
-                                                              float* scores, int64_t G8) {
-  const int64_t head_size = 16 * DV;
-  const __m256 vscale = _mm256_set1_ps(scale);
-  for (int64_t t = 0; t < n; t++) {
-    const uint16_t* row = (const uint16_t*)k_cache + walk_next(kw);
-    __m512bh k[8];
-    for (int c = 0; c < DV / 2; c++) k[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
-    for (int64_t g0 = 0; g0 < group; g0 += 8) {
-      __m512 a[8];
-      for (int64_t i = 0; i < 8; i++) {
-        a[i] = _mm512_setzero_ps();
-        if (g0 + i >= group) continue;
-        const uint16_t* qg = qh + (g0 + i) * head_size;
-        for (int c = 0; c < DV / 2; c++)
-          a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(qg + 32 * c), k[c]);
+          if (BF16) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32((int)qp[c]), (__m512bh)r[j]);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32((int)qp[c + 1]),
+                                  (__m512bh)r[j + 1]);
+            continue;
+          }
+#endif
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(qf[c]), r[j], a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(qf[c + 1]), r[j + 1], a1);
+        }
+        __m512 s = _mm512_add_ps(a0, a1);
+        if (run == RUNS - 1) {
+          if (BF16) s = _mm512_mul_ps(s, _mm512_set1_ps(s2));
+          s = _mm512_mask_blend_ps((__mmask16)((1u << m) - 1), _mm512_set1_ps(-INFINITY), s);
+        }
+        _mm512_storeu_ps(sg, s);
       }
-      _mm256_storeu_ps(scores + t * G8 + g0, _mm256_mul_ps(hsum8(a), vscale));
     }
   }
 }
-#endif
 
-// The pair (sequence, kv head) with head_size = 16 * DV; DV is a constant after inlining, so
-// the key/value row and the accumulators live in registers. Scores are kept token-major,
-// [n][G8] with G8 = group rounded up to 8, so the softmax runs across heads in one vector.
+// The pair (sequence, kv head) with head_size = 16 * DV; DV is a constant after inlining.
+// Scores are head-major (scores_t), so the softmax runs along each head's tokens in whole
+// vectors.
 static inline __attribute__((always_inline)) void attend_avx512(
     const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
     int64_t end, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
     int64_t token_stride, int64_t block_size, float scale, int bf16, const KV* kv, float* part,
     float* lse, float* qf, float* scores, float* row) {
   const int64_t head_size = 16 * DV;
-  const int64_t G8 = (group + 7) & ~(int64_t)7;
-  const int64_t n = end - start;
-  const int64_t head_offset = kh * head_size;
-  BlockWalk kw = walk_start(k_cache, table, start, n, block_size, token_stride, head_offset,
+  const int64_t n = end - start, stride = (n + 15) & ~(int64_t)15;
+  BlockWalk kw = walk_start(k_cache, table, start, n, block_size, token_stride, kh * head_size,
                             head_size, kv->kind);
   const int64_t q_offset = (b * num_heads + kh * group) * head_size;
 #ifdef __AVX512BF16__
   if (bf16 && kv->kind == KV_BF16)
-    scores_bf16((const uint16_t*)q + q_offset, k_cache, &kw, n, group, DV, scale, scores, G8);
+    scores_t(q, q_offset, k_cache, v_cache, &kw, n, group, DV, 1, scale, bf16, kv, qf, scores,
+             stride);
   else
 #endif
-    scores_f32(q, q_offset, k_cache, &kw, n, group, DV, scale, bf16, kv, qf, scores, G8);
-  for (int64_t g0 = 0; g0 < G8; g0 += 8) {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < n; t++)
-      mx = _mm512_max_ps(mx, _mm512_zextps256_ps512(_mm256_loadu_ps(scores + t * G8 + g0)));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t++) {
-      float* st = scores + t * G8 + g0;
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_zextps256_ps512(_mm256_loadu_ps(st)), mx));
-      _mm256_storeu_ps(st, _mm512_castps512_ps256(e));
-      sum = _mm512_add_ps(sum, e);
+    scores_t(q, q_offset, k_cache, v_cache, &kw, n, group, DV, 0, scale, bf16, kv, qf, scores,
+             stride);
+  for (int64_t g = 0; g < group; g++) {
+    float* sg = scores + g * stride;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < stride; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t t = 0; t < stride; t += 16) {
+      const __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
+      _mm512_storeu_ps(sg + t, e);
+      sv = _mm512_add_ps(sv, e);
     }
-    const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), _mm512_castps512_ps256(sum));
-    for (int64_t t = 0; t < n; t++) {
-      float* st = scores + t * G8 + g0;
-      _mm256_storeu_ps(st, _mm256_mul_ps(_mm256_loadu_ps(st), inv));
-    }
-    if (lse != NULL) {
-      float mxs[16], sums[16];
-      _mm512_storeu_ps(mxs, mx);
-      _mm512_storeu_ps(sums, sum);
-      for (int64_t i = 0; i < 8 && g0 + i < group; i++) lse[g0 + i] = mxs[i] + logf(sums[i]);
-    }
+    const float sum = _mm512_reduce_add_ps(sv);
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    for (int64_t t = 0; t < stride; t += 16)
+      _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
+    if (lse != NULL) lse[g] = (_mm512_cvtss_f32(mx) + log2f(sum)) * 0.6931471805599453f;
   }
   weighted_values(v_cache, table, start, n, out, b, kh, num_heads, group, DV, token_stride,
-                  block_size, bf16, kv, part, scores, G8, row);
+                  block_size, bf16, kv, part, scores, 1, stride, row);
 }
 #endif
 
@@ -276,6 +259,6 @@ static inline __attribute__((always_inline)) void attend_amx(
     for (int64_t g = 0; g < group; g++) lse[g] = mxs[g] * scale + logf(sums[g]);
   }
   weighted_values(v_cache, table, start, n, out, b, kh, num_heads, group, DV, token_stride,
-                  block_size, 1, kv, part, valid, 16, row);
+                  block_size, 1, kv, part, valid, 16, 1, row);
 }
 #endif
