@@ -59,6 +59,6 @@ class AttentionBackend(ABC):
 
 
 def get_attn_backend(device: torch.device) -> AttentionBackend:
-    from pagedlm.attention.torch_sdpa import TorchSDPABackend
+    from pagedlm.attention.cpu_attn import CPUAttentionBackend
 
-    return TorchSDPABackend()
+    return CPUAttentionBackend()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedlm.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
+from pagedlm.attention.cpu_attn import CPUAttentionBackend, CPUAttentionMetadata
 from pagedlm.distributed import get_tp_group
 from pagedlm.kernels import cpu as kc
 from pagedlm.kernels import gguf as kg
@@ -133,7 +133,10 @@ class LlamaDecodePlan:
             return False
         if get_tp_group().world_size != 1 or kg.gguf_isa() is None:
             return False
-        if not isinstance(Attention.backend, TorchSDPABackend) or Attention.backend.kernels is None:
+        if (
+            not isinstance(Attention.backend, CPUAttentionBackend)
+            or Attention.backend.kernels is None
+        ):
             return False
         inner = model.model
         if type(inner).forward is not LlamaModel.forward:
@@ -271,7 +274,7 @@ class LlamaDecodePlan:
     # ---------------------------------------------------------------------------- running
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: SDPAMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: CPUAttentionMetadata
     ) -> torch.Tensor:
         """Hidden states [rows, hidden] after the final norm (a buffer the next run reuses)."""
         assert metadata.decode_block_table is not None and metadata.decode_seq_lens is not None

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.attention.backend import CommonAttentionMetadata
-from pagedlm.attention.torch_sdpa import TorchSDPABackend
+from pagedlm.attention.cpu_attn import CPUAttentionBackend
 from pagedlm.forward_context import set_forward_context
 from pagedlm.layers.attention import Attention
 from pagedlm.model_loader.safetensors_loader import iterate_safetensors
@@ -37,7 +37,7 @@ SENTENCES = [
 
 @pytest.fixture(autouse=True)
 def _sdpa_backend(monkeypatch):
-    monkeypatch.setattr(Attention, "backend", TorchSDPABackend())
+    monkeypatch.setattr(Attention, "backend", CPUAttentionBackend())
 
 
 def run_packed(
@@ -55,7 +55,7 @@ def run_packed(
         slot_mapping=np.zeros(int(qsl[-1]), dtype=np.int64),
         num_decodes=0,
     )
-    metadata = TorchSDPABackend().build(common, torch.device("cpu"))
+    metadata = CPUAttentionBackend().build(common, torch.device("cpu"))
     input_ids = torch.tensor([t for r in requests for t in r], dtype=torch.long)
     positions = torch.cat([torch.arange(n) for n in lens.tolist()])
     types = None

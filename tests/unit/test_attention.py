@@ -1,4 +1,4 @@
-"""TorchSDPABackend against a dense fp32 reference with explicit masks; step-input layout."""
+"""CPUAttentionBackend against a dense fp32 reference with explicit masks; step-input layout."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedlm.attention.backend import CommonAttentionMetadata
-from pagedlm.attention.torch_sdpa import TorchSDPABackend
+from pagedlm.attention.cpu_attn import CPUAttentionBackend
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker.input_batch import InputBatch
@@ -113,7 +113,7 @@ def run_case(
     cache_before_step = kv_cache.clone()
     for use_c_kernel in (False, None):
         kv_cache.copy_(cache_before_step)
-        backend = TorchSDPABackend(use_c_kernel=use_c_kernel)
+        backend = CPUAttentionBackend(use_c_kernel=use_c_kernel)
         metadata = backend.build(common, torch.device("cpu"))
         out = backend.forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5, window)
         assert out.shape == query.shape
@@ -263,7 +263,7 @@ def test_build_step_inputs_feeds_the_backend() -> None:
         for rid, n in lengths.items()
     }
     kv_cache = torch.zeros(2, 12, bs, kv_heads, HEAD_SIZE)
-    backend = TorchSDPABackend()
+    backend = CPUAttentionBackend()
     # step 1: chunks of a and c (3 tokens each); step 2: the rest of a (2 tokens after a cached
     # prefix), b whole, and c's last token (a decode-shaped row reading 3 cached tokens).
     plan = [

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from pagedlm.attention.backend import CommonAttentionMetadata
+from pagedlm.attention.cpu_attn import CPUAttentionBackend
 from pagedlm.attention.kv_cache_dtype import (
     calculate_kv_scales,
     dequantize_kv,
     kv_cache_torch_dtype,
     quantize_kv,
 )
-from pagedlm.attention.torch_sdpa import TorchSDPABackend
 from pagedlm.kernels.cpu import cpu_kernels
 from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
 from tests.unit.test_paged_prefill_kernel import dense_reference, make_paged
@@ -157,7 +157,7 @@ def test_backend_paths_agree_on_fp8_cache(fp8) -> None:
         if use_c and lib is None:
             pytest.skip("no C compiler")
         cache = base.clone()
-        backend = TorchSDPABackend(use_c_kernel=use_c)
+        backend = CPUAttentionBackend(use_c_kernel=use_c)
         meta = backend.build(common, torch.device("cpu"))
         outs.append(backend.forward(q, k, v, cache, meta, d**-0.5, None, 0.5, 2.0))
         caches.append(cache)

@@ -79,7 +79,7 @@ def dense_reference(q, k, v, scale, window):
 
 def sdpa_path(q, cache, table_row, seq_len, scale, window):
     """The PyTorch backend's way: gather the blocks, SDPA with a bottom-right causal mask."""
-    from pagedlm.attention.torch_sdpa import causal_mask
+    from pagedlm.attention.cpu_attn import causal_mask
 
     block_size = cache.shape[2]
     nb = (seq_len + block_size - 1) // block_size

@@ -1,5 +1,6 @@
-"""Paged attention: the compiled CPU kernels where available, plain PyTorch
-`scaled_dot_product_attention` otherwise (the kernels' tested twin).
+"""Paged attention on the CPU: the compiled C kernels (kernels/csrc) where they build, plain
+PyTorch `scaled_dot_product_attention` otherwise (the kernels' tested twin, also the path for
+dtypes the kernels do not take).
 
 With the C kernels, decode rows go through `paged_decode_attention` (split-KV) and every
 prefill chunk, cached prefix or not, through the tiled `paged_prefill_attention`, both reading
@@ -56,7 +57,7 @@ def _rows(starts: list[int], length: int, device: torch.device) -> torch.Tensor 
 
 
 @dataclass
-class SDPAMetadata:
+class CPUAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     num_decode_tokens: int
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] long
@@ -95,9 +96,9 @@ def causal_mask(query_len: int, seq_len: int, window: int | None, device: torch.
     return mask
 
 
-class TorchSDPABackend(AttentionBackend):
-    """`use_c_kernel`: decode and prefill through the compiled paged kernels (None: when
-    available; False: the PyTorch path)."""
+class CPUAttentionBackend(AttentionBackend):
+    """vLLM's CPU_ATTN backend. `use_c_kernel`: decode and prefill through the compiled paged
+    kernels (None: when available; False: the PyTorch SDPA path)."""
 
     def __init__(self, use_c_kernel: bool | None = None) -> None:
         self.kernels = cpu_kernels() if use_c_kernel is not False else None
@@ -111,7 +112,7 @@ class TorchSDPABackend(AttentionBackend):
             and query.dtype in (torch.bfloat16, torch.float32)
         )
 
-    def build(self, common: CommonAttentionMetadata, device: torch.device) -> SDPAMetadata:
+    def build(self, common: CommonAttentionMetadata, device: torch.device) -> CPUAttentionMetadata:
         qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
         nd = common.num_decodes
         decode_table = decode_lens = None
@@ -140,7 +141,7 @@ class TorchSDPABackend(AttentionBackend):
             prefill_qsl = torch.from_numpy(qsl[nd:] - qsl[nd]).to(device)
             prefill_lens = torch.from_numpy(seq_lens[nd:]).to(device)
             prefill_table = torch.from_numpy(table[nd:]).to(device)
-        return SDPAMetadata(
+        return CPUAttentionMetadata(
             slot_mapping=torch.from_numpy(common.slot_mapping).to(device),
             num_decode_tokens=nd,
             decode_block_table=decode_table,
@@ -160,7 +161,7 @@ class TorchSDPABackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: SDPAMetadata,
+        metadata: CPUAttentionMetadata,
         scale: float,
         sliding_window: int | None,
         k_scale: float = 1.0,
@@ -239,7 +240,7 @@ class TorchSDPABackend(AttentionBackend):
         query: torch.Tensor,  # [num_decodes, heads, d]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        metadata: SDPAMetadata,
+        metadata: CPUAttentionMetadata,
         scale: float,
         sliding_window: int | None,
         k_scale: float,
@@ -318,7 +319,7 @@ class TorchSDPABackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        metadata: SDPAMetadata,
+        metadata: CPUAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         """Bidirectional attention within each request's tokens; no KV cache."""
