@@ -1,9 +1,13 @@
-"""The throughput benchmark's pure parts: workloads are reproducible, rounds reduce to a median."""
+"""The benchmarks' pure parts: throughput workloads are reproducible, rounds reduce to a median;
+the pipe-slot microbenchmark's C source builds."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import platform
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,3 +55,26 @@ def test_long_workloads_fix_their_lengths(throughput, workload, shape) -> None:
     requests = throughput.make_requests(args, vocab=5000)
     assert len(requests) == shape[0]
     assert all(len(p) == shape[1] and n == shape[2] for p, n in requests)
+
+
+@pytest.mark.skipif(
+    shutil.which("gcc") is None or platform.machine() != "x86_64", reason="needs gcc on x86-64"
+)
+def test_pipe_slots_source_compiles(tmp_path) -> None:
+    """Every operation the pipe-slot microbenchmark lists builds into one valid C program (for
+    AVX-512 BF16 targets: compiled, not run, so any x86-64 host checks it)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        pipe_slots = importlib.import_module("pipe_slots")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    src = tmp_path / "pipe_slots.c"
+    src.write_text(pipe_slots.source())
+    flags = ["-O2", "-mavx512f", "-mavx512bf16", "-mavx512dq", "-c", "-Werror"]
+    build = subprocess.run(
+        ["gcc", *flags, str(src), "-o", str(tmp_path / "pipe_slots.o")],
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    assert pipe_slots.source().count("BENCH(b") == len(pipe_slots.OPERATIONS) + 1
