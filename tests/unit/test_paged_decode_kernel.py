@@ -16,10 +16,12 @@ pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: PyTorch path
 LENS = [1, 4, 17, 300, 1000, 2049]
 
 
-def check_decode(lens, heads, kv_heads, d, block_size, dtype, window, min_split, seed=0):
+def check_decode(
+    lens, heads, kv_heads, d, block_size, dtype, window, min_split, seed=0, rising=0.0
+):
     specs = [(n - 1, 1) for n in lens]
     cache, table, seq_lens, _, queries, keys, values = make_paged(
-        specs, heads, kv_heads, d, block_size, dtype, seed
+        specs, heads, kv_heads, d, block_size, dtype, seed, rising
     )
     query = torch.cat(queries)
     scale = d**-0.5
@@ -43,6 +45,15 @@ def test_split_decode_matches_reference(dtype, d, min_split) -> None:
     if min_split:
         splits = paged_decode_num_splits(lib, seq_lens, 2, None, torch.get_num_threads(), min_split)
         assert max(splits) > 1  # the merge really ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rising", [0.02, -0.02])
+def test_running_max_across_pieces(dtype, rising) -> None:
+    """One unsplit item walks its context in pieces (flash-style, DECODE_PIECE = 256 keys):
+    scores that rise along the context move the max in every piece (each rescales what came
+    before), falling ones keep the first piece's; both against the reference."""
+    check_decode([1500, 700], 8, 2, 64, 16, dtype, None, 100000, seed=3, rising=rising)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -193,10 +193,10 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
          block_size, scale, bf16, &kv, part, lse, qf, acc, scores, row)
 #define ATTEND_AVX512(DV)                                                                    \
   attend_avx512(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, DV,         \
-                token_stride, block_size, scale, bf16, &kv, part, lse, qf, scores, row)
+                token_stride, block_size, scale, bf16, &kv, part, lse, qf, scores, acc)
 #define ATTEND_AMX(DV)                                                                       \
   attend_amx(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, DV,            \
-             token_stride, block_size, scale, &kv, part, lse, qb, scores, row)
+             token_stride, block_size, scale, &kv, part, lse, qb, scores, acc)
 #ifdef PAGEDLM_AMX
       if (use_amx) {
         switch (head_size) {

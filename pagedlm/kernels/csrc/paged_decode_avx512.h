@@ -27,6 +27,7 @@ typedef struct {
   const int64_t* table;
   int64_t block_size, token_stride, head_offset, row_bytes, elem_bytes;
   int64_t block, slot, last_block;  // table index and slot of the current token
+  int to_l2;  // a walk that only prefetches, ahead of its reader: into L2, not L1
 } BlockWalk;
 
 // always_inline: gcc removes calls of a function whose only effect is a prefetch.
@@ -35,17 +36,23 @@ static inline __attribute__((always_inline)) void prefetch_block(const BlockWalk
   const int64_t first = w->table[block] * w->block_size;
   for (int64_t r = 0; r < w->block_size; r++) {
     const char* p = w->cache + ((first + r) * w->token_stride + w->head_offset) * w->elem_bytes;
-    for (int64_t off = 0; off < w->row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < w->row_bytes; off += 64) {
+      if (w->to_l2)
+        _mm_prefetch(p + off, _MM_HINT_T1);
+      else
+        _mm_prefetch(p + off, _MM_HINT_T0);
+    }
   }
 }
 
 static inline BlockWalk walk_start(const void* cache, const int64_t* table, int64_t start,
                                    int64_t n, int64_t block_size, int64_t token_stride,
-                                   int64_t head_offset, int64_t head_size, int kind) {
+                                   int64_t head_offset, int64_t head_size, int kind, int to_l2) {
   const int64_t elem = kv_elem_bytes(kind);
   BlockWalk w = {(const char*)cache, table, block_size, token_stride, head_offset,
                  head_size * elem, elem, start / block_size, start % block_size - 1,
-                 (start + n - 1) / block_size};
+                 (start + n - 1) / block_size, to_l2};
+  if (to_l2) prefetch_block(&w, w.block);  // a reader loads its first block itself
   prefetch_block(&w, w.block + 1);
   return w;
 }
@@ -59,34 +66,45 @@ static inline int64_t walk_next(BlockWalk* w) {
   return (w->table[w->block] * w->block_size + w->slot) * w->token_stride + w->head_offset;
 }
 
-// out[g] = sum over tokens of p[t * ts + g * gs] * v[t] for the pair's heads.
-// Heads go in passes of 16 / DV so that the accumulators fit in 16 registers.
+// acc[g] = alpha[g] * acc[g] + sum over tokens of p[t * ts + g * gs] * v[t] for the pair's
+// heads (alpha NULL: acc starts from zero), fp32 rows [group][head_size]. Heads go in passes of
+// 16 / DV so that the accumulators fit in 16 registers. While the first pass runs from L2 (its
+// values were prefetched as the scores ran), `ahead` (NULL: nothing) walks the next piece's key
+// rows into L2, so that memory is busy during this pass too.
 static inline __attribute__((always_inline)) void weighted_values(
-    const void* v_cache, const int64_t* table, int64_t start, int64_t n, void* out, int64_t b,
-    int64_t kh, int64_t num_heads, int64_t group, const int DV, int64_t token_stride,
-    int64_t block_size, int bf16, const KV* kv, float* part, const float* p, int64_t ts,
-    int64_t gs, float* row) {
+    const void* v_cache, const int64_t* table, int64_t start, int64_t n, int64_t kh, int64_t group,
+    const int DV, int64_t token_stride, int64_t block_size, const KV* kv, const float* p,
+    int64_t ts, int64_t gs, const float* alpha, float* acc, BlockWalk* ahead) {
   const int64_t head_size = 16 * DV;
-  const int64_t per_pass = DV >= 16 ? 1 : 16 / DV;
+  const int per_pass = DV >= 16 ? 1 : 16 / DV;
   for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
-    const int64_t gn = group - g0 < per_pass ? group - g0 : per_pass;
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    const int gn = group - g0 < per_pass ? (int)(group - g0) : per_pass;
+    float* a = acc + g0 * head_size;
+    __m512 r[16];
+    for (int gi = 0; gi < per_pass; gi++) {
+      const __m512 f = _mm512_set1_ps(gi < gn && alpha != NULL ? alpha[g0 + gi] : 0.f);
+      for (int c = 0; c < DV; c++)
+        r[gi * DV + c] = gi < gn && alpha != NULL
+                             ? _mm512_mul_ps(f, _mm512_loadu_ps(a + gi * head_size + 16 * c))
+                             : _mm512_setzero_ps();
+    }
     BlockWalk vw = walk_start(v_cache, table, start, n, block_size, token_stride, kh * head_size,
-                              head_size, kv->kind);
+                              head_size, kv->kind, 0);
+    const int64_t last = g0 == 0 && ahead != NULL ? ahead->last_block : -1;  // first pass only
     for (int64_t t = 0; t < n; t++) {
       const int64_t base = walk_next(&vw);
+      if (ahead != NULL && ahead->block < last) walk_next(ahead);
       __m512 v[16];
       for (int c = 0; c < DV; c++) v[c] = load16_kv(v_cache, base + 16 * c, kv->kind, kv->v_scale);
-      for (int64_t gi = 0; gi < gn; gi++) {
+      for (int gi = 0; gi < per_pass; gi++) {
+        if (gi >= gn) break;
         const __m512 pv = _mm512_set1_ps(p[t * ts + (g0 + gi) * gs]);
-        for (int c = 0; c < DV; c++) acc[gi * DV + c] = _mm512_fmadd_ps(pv, v[c], acc[gi * DV + c]);
+        for (int c = 0; c < DV; c++) r[gi * DV + c] = _mm512_fmadd_ps(pv, v[c], r[gi * DV + c]);
       }
     }
-    for (int64_t gi = 0; gi < gn; gi++) {
-      for (int c = 0; c < DV; c++) _mm512_storeu_ps(row + 16 * c, acc[gi * DV + c]);
-      store_head(out, part, b, kh * group + g0 + gi, g0 + gi, num_heads, head_size, bf16, row);
-    }
+    for (int gi = 0; gi < per_pass; gi++)
+      for (int c = 0; c < DV; c++)
+        if (gi < gn) _mm512_storeu_ps(a + gi * head_size + 16 * c, r[gi * DV + c]);
   }
 }
 
@@ -161,46 +179,71 @@ static inline __attribute__((always_inline)) void scores_t(
   }
 }
 
+#define DECODE_PIECE 256  // tokens per piece: one piece's scores and values while the next's
+                          // keys stream into L2
+
 // The pair (sequence, kv head) with head_size = 16 * DV; DV is a constant after inlining.
-// Scores are head-major (scores_t), so the softmax runs along each head's tokens in whole
-// vectors.
+// Pieces of DECODE_PIECE tokens in turn, flash-style: scores (head-major, scores_t, so the
+// softmax runs along each head's tokens in whole vectors), the running max and sum updated, the
+// accumulators rescaled and the piece's weighted values added; each piece's values stream in
+// while its scores run, the next piece's keys while its values are weighed.
 static inline __attribute__((always_inline)) void attend_avx512(
     const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
     int64_t end, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
     int64_t token_stride, int64_t block_size, float scale, int bf16, const KV* kv, float* part,
-    float* lse, float* qf, float* scores, float* row) {
+    float* lse, float* qf, float* scores, float* acc) {
   const int64_t head_size = 16 * DV;
-  const int64_t n = end - start, stride = (n + 15) & ~(int64_t)15;
+  const int64_t n = end - start;
   BlockWalk kw = walk_start(k_cache, table, start, n, block_size, token_stride, kh * head_size,
-                            head_size, kv->kind);
+                            head_size, kv->kind, 0);
   const int64_t q_offset = (b * num_heads + kh * group) * head_size;
+  float m[group], l[group], alpha[group];  // running max (base 2), sum, this piece's rescale
+  for (int64_t p0 = 0; p0 < n; p0 += DECODE_PIECE) {
+    const int64_t pn = n - p0 < DECODE_PIECE ? n - p0 : DECODE_PIECE;
+    const int64_t stride = (pn + 15) & ~(int64_t)15;
 #ifdef __AVX512BF16__
-  if (bf16 && kv->kind == KV_BF16)
-    scores_t(q, q_offset, k_cache, v_cache, &kw, n, group, DV, 1, scale, bf16, kv, qf, scores,
-             stride);
-  else
+    if (bf16 && kv->kind == KV_BF16)
+      scores_t(q, q_offset, k_cache, v_cache, &kw, pn, group, DV, 1, scale, bf16, kv, qf, scores,
+               stride);
+    else
 #endif
-    scores_t(q, q_offset, k_cache, v_cache, &kw, n, group, DV, 0, scale, bf16, kv, qf, scores,
-             stride);
-  for (int64_t g = 0; g < group; g++) {
-    float* sg = scores + g * stride;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < stride; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sv = _mm512_setzero_ps();
-    for (int64_t t = 0; t < stride; t += 16) {
-      const __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
-      _mm512_storeu_ps(sg + t, e);
-      sv = _mm512_add_ps(sv, e);
+      scores_t(q, q_offset, k_cache, v_cache, &kw, pn, group, DV, 0, scale, bf16, kv, qf, scores,
+               stride);
+    for (int64_t g = 0; g < group; g++) {
+      float* sg = scores + g * stride;
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < stride; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+      const float piece_max = _mm512_reduce_max_ps(mv);
+      const float m_new = p0 == 0 || piece_max > m[g] ? piece_max : m[g];
+      const __m512 mx = _mm512_set1_ps(m_new);
+      __m512 sv = _mm512_setzero_ps();
+      for (int64_t t = 0; t < stride; t += 16) {
+        const __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
+        _mm512_storeu_ps(sg + t, e);
+        sv = _mm512_add_ps(sv, e);
+      }
+      alpha[g] = p0 == 0 ? 0.f : exp2f(m[g] - m_new);
+      l[g] = (p0 == 0 ? 0.f : l[g] * alpha[g]) + _mm512_reduce_add_ps(sv);
+      m[g] = m_new;
     }
-    const float sum = _mm512_reduce_add_ps(sv);
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
-    for (int64_t t = 0; t < stride; t += 16)
-      _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
-    if (lse != NULL) lse[g] = (_mm512_cvtss_f32(mx) + log2f(sum)) * 0.6931471805599453f;
+    const int64_t next = p0 + pn, n_next = n - next < DECODE_PIECE ? n - next : DECODE_PIECE;
+    BlockWalk ahead, *next_keys = NULL;  // the next piece's keys, into L2 during the values
+    if (n_next > 0) {
+      ahead = walk_start(k_cache, table, start + next, n_next, block_size, token_stride,
+                         kh * head_size, head_size, kv->kind, 1);
+      next_keys = &ahead;
+    }
+    weighted_values(v_cache, table, start + p0, pn, kh, group, DV, token_stride, block_size, kv,
+                    scores, 1, stride, p0 == 0 ? NULL : alpha, acc, next_keys);
   }
-  weighted_values(v_cache, table, start, n, out, b, kh, num_heads, group, DV, token_stride,
-                  block_size, bf16, kv, part, scores, 1, stride, row);
+  for (int64_t g = 0; g < group; g++) {
+    float* row = acc + g * head_size;
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    for (int c = 0; c < DV; c++)
+      _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), inv));
+    store_head(out, part, b, kh * group + g, g, num_heads, head_size, bf16, row);
+    if (lse != NULL) lse[g] = (m[g] + log2f(l[g])) * 0.6931471805599453f;
+  }
 }
 #endif
 
@@ -216,7 +259,7 @@ static inline __attribute__((always_inline)) void attend_amx(
     const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
     int64_t len, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
     int64_t token_stride, int64_t block_size, float scale, const KV* kv, float* part, float* lse,
-    uint16_t* qb, float* scores, float* row) {
+    uint16_t* qb, float* scores, float* acc) {
   const int64_t head_size = 16 * DV;
   const int64_t first = start & ~(int64_t)15;  // scores[i] is position first + i
   const uint16_t* qh = (const uint16_t*)q + (b * num_heads + kh * group) * head_size;
@@ -258,7 +301,9 @@ static inline __attribute__((always_inline)) void attend_amx(
     _mm512_storeu_ps(sums, sum);
     for (int64_t g = 0; g < group; g++) lse[g] = mxs[g] * scale + logf(sums[g]);
   }
-  weighted_values(v_cache, table, start, n, out, b, kh, num_heads, group, DV, token_stride,
-                  block_size, 1, kv, part, valid, 16, 1, row);
+  weighted_values(v_cache, table, start, n, kh, group, DV, token_stride, block_size, kv, valid, 16,
+                  1, NULL, acc, NULL);
+  for (int64_t g = 0; g < group; g++)
+    store_head(out, part, b, kh * group + g, g, num_heads, head_size, 1, acc + g * head_size);
 }
 #endif
