@@ -8,8 +8,9 @@
 // comes from the sequence lengths and the thread count (decode_splits), so that one long
 // sequence keeps every core busy while a big batch of short ones is not split at all. Each
 // item reads its keys and values once through the block table (no copy of the cache), scores
-// them against its group of query heads and takes a softmax, all in fp32. Scratch buffers are
-// per thread. Head sizes 64, 128 and 256 take an AVX-512 path where the compiler targets it;
+// them against its group of query heads and takes a softmax, all in fp32 (the AVX-512 path in
+// pieces of 256 keys with a running max, streaming the next piece's keys into L2 while it
+// weighs the current piece's values). Scratch buffers are per thread. Head sizes 64, 128 and 256 take an AVX-512 path where the compiler targets it;
 // every size has the portable one.
 #include <stdlib.h>
 

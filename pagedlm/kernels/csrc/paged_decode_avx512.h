@@ -68,9 +68,9 @@ static inline int64_t walk_next(BlockWalk* w) {
 
 // acc[g] = alpha[g] * acc[g] + sum over tokens of p[t * ts + g * gs] * v[t] for the pair's
 // heads (alpha NULL: acc starts from zero), fp32 rows [group][head_size]. Heads go in passes of
-// 16 / DV so that the accumulators fit in 16 registers. While the first pass runs from L2 (its
-// values were prefetched as the scores ran), `ahead` (NULL: nothing) walks the next piece's key
-// rows into L2, so that memory is busy during this pass too.
+// 16 / DV so that the accumulators fit in 16 registers. `ahead` (NULL: none), a prefetch-only
+// walk over the next piece's key rows, advances one token per token of the first pass, so that
+// memory streams while the values are weighed.
 static inline __attribute__((always_inline)) void weighted_values(
     const void* v_cache, const int64_t* table, int64_t start, int64_t n, int64_t kh, int64_t group,
     const int DV, int64_t token_stride, int64_t block_size, const KV* kv, const float* p,
