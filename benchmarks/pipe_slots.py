@@ -7,9 +7,9 @@ any other operation only when that operation needs the same execution port. This
 loop of 16 independent vdpbf16ps (enough chains to run at full rate), alone and then
 interleaved with 4 operations of one kind, and prints how many dot-product slots each such
 operation costs: ~1 where it shares the port, ~0 where it runs beside. Needs gcc and a CPU with
-AVX-512 BF16; single-threaded. (Zen 4, 2026-12-01: only float multiplies and multiply-adds
-take a slot; adds, max, vreduceps, vscalefps, conversions, integer operations, shuffles,
-loads and broadcasts are free up to 4 per 16 dot products.)
+AVX-512 BF16; single-threaded. (Zen 4, 2026-12-01: float multiplies, multiply-adds and
+vrcp14ps take a slot, vdivps two; adds, max, vreduceps, vscalefps, conversions, integer
+operations, shuffles, loads and broadcasts are free up to 4 per 16 dot products.)
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pathlib import Path
 OPERATIONS = {
     "fma": "_mm512_fmadd_ps(v, c1, c2)",
     "mul": "_mm512_mul_ps(v, c1)",
+    "div": "_mm512_div_ps(c1, _mm512_add_ps(v, c2))",
+    "rcp14": "_mm512_rcp14_ps(v)",
     "add": "_mm512_add_ps(v, c1)",
     "max": "_mm512_max_ps(v, c1)",
     "roundscale": "_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)",
