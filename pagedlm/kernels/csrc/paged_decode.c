@@ -10,8 +10,8 @@
 // item reads its keys and values once through the block table (no copy of the cache), scores
 // them against its group of query heads and takes a softmax, all in fp32 (the AVX-512 path in
 // pieces of 256 keys with a running max, streaming the next piece's keys into L2 while it
-// weighs the current piece's values). Scratch buffers are per thread. Head sizes 64, 128 and 256 take an AVX-512 path where the compiler targets it;
-// every size has the portable one.
+// weighs the current piece's values). Scratch buffers are per thread. Head sizes 64, 128 and
+// 256 take an AVX-512 path where the compiler targets it; every size has the portable one.
 #include <stdlib.h>
 
 #include "common.h"
@@ -153,8 +153,8 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
     float* qf = malloc(sizeof(float) * group * head_size);
     float* acc = malloc(sizeof(float) * group * head_size);
     // scores: token-major and 16 heads wide for AMX, with 32 rows of slack (it scores whole
-    // aligned runs of 16 from below a split's start to above its end); head-major for AVX-512,
-    // each head's row max_piece rounded up to 16
+    // aligned runs of 16 from below a split's start to above its end); head-major for AVX-512
+    // (rows of one piece, at most DECODE_PIECE) and the portable path (rows of max_piece)
     const int64_t width = group > 16 ? group : 16;
     float* scores = malloc(sizeof(float) * width * (max_piece + 32));
     float* row = malloc(sizeof(float) * head_size);

@@ -82,11 +82,11 @@ static inline __attribute__((always_inline)) void weighted_values(
     float* a = acc + g0 * head_size;
     __m512 r[16];
     for (int gi = 0; gi < per_pass; gi++) {
-      const __m512 f = _mm512_set1_ps(gi < gn && alpha != NULL ? alpha[g0 + gi] : 0.f);
+      const int rescale = gi < gn && alpha != NULL;  // earlier pieces' sums, else from zero
+      const __m512 f = _mm512_set1_ps(rescale ? alpha[g0 + gi] : 0.f);
       for (int c = 0; c < DV; c++)
-        r[gi * DV + c] = gi < gn && alpha != NULL
-                             ? _mm512_mul_ps(f, _mm512_loadu_ps(a + gi * head_size + 16 * c))
-                             : _mm512_setzero_ps();
+        r[gi * DV + c] = rescale ? _mm512_mul_ps(f, _mm512_loadu_ps(a + gi * head_size + 16 * c))
+                                 : _mm512_setzero_ps();
     }
     BlockWalk vw = walk_start(v_cache, table, start, n, block_size, token_stride, kh * head_size,
                               head_size, kv->kind, 0);
