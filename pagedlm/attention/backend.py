@@ -3,6 +3,11 @@
 Batch layout contract (the model runner orders requests this way): decode requests
 (exactly one new token) come first, then requests with several new tokens (prefill chunks).
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_size], token-major.
+
+Output rows: a step may use the outputs of only the last `output_query_lens[i]` query rows of
+each request (its sampled rows). A model's last layer then passes the queries of those rows
+only: `forward` still writes every token's key/value, and attends the given rows alone, from
+the cache (a suffix of a request's rows sees the same causal context as it does in the whole).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ class CommonAttentionMetadata:
     block_table: np.ndarray  # [num_reqs, max_blocks] int64 (padded with 0)
     slot_mapping: np.ndarray  # [num_tokens] int64, cache slot of every new token
     num_decodes: int  # the first num_decodes requests have query length 1
+    # [num_reqs] trailing query rows whose outputs the step uses; None: every row
+    output_query_lens: np.ndarray | None = None
 
 
 class AttentionBackend(ABC):
@@ -33,7 +40,7 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        query: torch.Tensor,  # [num_tokens or num output rows, num_heads, head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,
@@ -42,9 +49,10 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        """Write key/value into the cache at the slot mapping, then attend. An fp8 cache stores
-        key / k_scale and value / v_scale (see kv_cache_dtype.py)."""
+    ) -> torch.Tensor:  # [query rows, num_heads, head_size]
+        """Write key/value into the cache at the slot mapping, then attend: every token's query,
+        or the output rows' queries (fewer rows than tokens). An fp8 cache stores key / k_scale
+        and value / v_scale (see kv_cache_dtype.py)."""
 
     def forward_encoder(
         self,

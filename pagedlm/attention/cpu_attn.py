@@ -12,12 +12,16 @@ and padded to the longest sequence with a key mask. Each prefill chunk gets its 
 chunk with no cached prefix uses the fresh keys with `is_causal` (top-left = bottom-right when
 q_len == kv_len), a chunk after a cached prefix gathers its blocks and uses an explicit
 bottom-right causal mask. Sliding windows restrict keys to the last `window` positions.
+
+Output rows (backend.py): `outputs` describes the requests' trailing rows as a batch of its own
+whose every chunk reads the cache, so both paths attend them unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -70,6 +74,8 @@ class CPUAttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1], from row 0
     prefill_seq_lens: torch.Tensor | None = None  # [num_prefills]
     prefill_block_table: torch.Tensor | None = None  # [num_prefills, max_blocks]
+    # the output rows' attention (backend.py), every chunk read from the cache; None: all rows
+    outputs: CPUAttentionMetadata | None = None
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -113,6 +119,28 @@ class CPUAttentionBackend(AttentionBackend):
         )
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> CPUAttentionMetadata:
+        metadata = self._build(common, device, fresh_keys=True)
+        lens = common.output_query_lens
+        if lens is not None:
+            kept = np.flatnonzero(lens)  # requests with output rows, in batch order
+            ones = lens[kept] == 1  # decode-shaped: leading ones go to the decode kernel
+            query_start_loc = np.zeros(len(kept) + 1, dtype=np.int64)
+            np.cumsum(lens[kept], out=query_start_loc[1:])
+            outputs = CommonAttentionMetadata(
+                query_start_loc=query_start_loc,
+                seq_lens=common.seq_lens[kept],
+                block_table=common.block_table[kept],
+                slot_mapping=np.empty(0, dtype=np.int64),  # nothing to store
+                num_decodes=len(kept) if ones.all() else int(np.argmin(ones)),
+            )
+            metadata.outputs = self._build(outputs, device, fresh_keys=False)
+        return metadata
+
+    def _build(
+        self, common: CommonAttentionMetadata, device: torch.device, fresh_keys: bool
+    ) -> CPUAttentionMetadata:
+        """`fresh_keys`: prefills with no cached prefix may attend the step's keys directly
+        (PyTorch path); False for the output rows, whose keys are not passed."""
         qsl, seq_lens, table = common.query_start_loc, common.seq_lens, common.block_table
         nd = common.num_decodes
         decode_table = decode_lens = None
@@ -126,7 +154,7 @@ class CPUAttentionBackend(AttentionBackend):
         for i in range(nd, len(seq_lens)):
             start, end = int(qsl[i]), int(qsl[i + 1])
             seq_len = int(seq_lens[i])
-            if seq_len == end - start:
+            if fresh_keys and seq_len == end - start:
                 fresh.setdefault(seq_len, []).append(start)
                 continue
             prefills.append(
@@ -188,8 +216,12 @@ class CPUAttentionBackend(AttentionBackend):
             flat_k.index_copy_(0, slots, new_k)
             flat_v.index_copy_(0, slots, new_v)
 
+        if query.shape[0] < num_tokens:  # the output rows alone (the model's last layer)
+            assert metadata.outputs is not None, "output rows without output_query_lens"
+            metadata, num_tokens = metadata.outputs, query.shape[0]
+            assert int(metadata.query_start_loc[-1]) == num_tokens, "not the output rows"
         nd = metadata.num_decode_tokens
-        if nd == query.shape[0]:  # a decode-only step: the kernel's output is the result
+        if nd and nd == query.shape[0]:  # decode-only: the kernel's output is the result
             return self._decode(
                 query, k_cache, v_cache, metadata, scale, sliding_window, k_scale, v_scale
             )

@@ -14,7 +14,8 @@ class Attention(nn.Module):
     """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D].
 
     Decoder layers write k/v to the paged cache, then attend causally; encoder-only layers
-    attend bidirectionally within each request and keep no cache.
+    attend bidirectionally within each request and keep no cache. A decoder layer may pass the
+    queries of the step's output rows only (q [R, H*D], R < T; attention/backend.py): -> [R, H*D].
     """
 
     backend: AttentionBackend | None = None  # set by the model runner for all layers
@@ -59,8 +60,8 @@ class Attention(nn.Module):
             self.calculate_kv_scales = False
         out = backend.forward(
             q.view(num_tokens, self.num_heads, self.head_size),
-            k.view(num_tokens, self.num_kv_heads, self.head_size),
-            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            k.view(k.shape[0], self.num_kv_heads, self.head_size),
+            v.view(v.shape[0], self.num_kv_heads, self.head_size),
             self.kv_cache,
             get_attn_metadata(),
             self.scale,

@@ -27,7 +27,7 @@ from pagedlm.layers.layernorm import RMSNorm
 from pagedlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedlm.layers.rotary_embedding import get_rope
 from pagedlm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedlm.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedlm.models.llama import LlamaForCausalLM, LlamaMLP, run_decoder_layers
 from pagedlm.models.weight_utils import load_packed_weights
 
 _DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
@@ -96,13 +96,21 @@ class Gemma3Attention(nn.Module):
             sliding_window=window if self.is_sliding and window else None,
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As LlamaAttention.forward: `output_rows` alone attend and are returned."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = q.shape[0]
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
+        if output_rows is not None:
+            q = q[output_rows]
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -119,15 +127,22 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps=eps, offset=1.0)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, residual stream before it); the next norm adds them."""
+        """Returns (this layer's MLP output, residual stream before it); the next norm adds them.
+        `output_rows`: past the attention, only these rows are computed and returned."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(positions, hidden_states, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
@@ -147,12 +162,17 @@ class Gemma3Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, offset=1.0)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         hidden_states = hidden_states * self.normalizer.to(hidden_states.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, residual = run_decoder_layers(
+            self.layers, positions, hidden_states, output_rows
+        )
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -171,8 +191,15 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    supports_output_rows = True  # as LlamaForCausalLM
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, output_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden_states)

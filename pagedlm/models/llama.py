@@ -32,6 +32,22 @@ def rope_params(config: Any) -> tuple[float, dict | None]:
     return float(theta or 10000.0), scaling
 
 
+def run_decoder_layers(
+    layers: nn.ModuleList,
+    positions: torch.Tensor,
+    hidden_states: torch.Tensor,
+    output_rows: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states, residual) after every layer; the last one gets `output_rows`."""
+    residual = None
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        rows = output_rows if i == last else None
+        hidden_states, residual = layer(positions, hidden_states, residual, rows)
+    assert residual is not None, "a model has at least one layer"
+    return hidden_states, residual
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool) -> None:
         super().__init__()
@@ -97,7 +113,14 @@ class LlamaAttention(nn.Module):
             return None
         return window
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Every row's key/value goes to the cache; `output_rows`: only these rows attend and
+        are returned (the last layer, attention/backend.py)."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.use_qk_norm:
@@ -105,6 +128,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
+        if output_rows is not None:
+            q = q[output_rows]
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -124,14 +149,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`output_rows`: past the attention, only these rows are computed and returned."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(positions, hidden_states, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -147,11 +179,18 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[num_tokens, hidden], or [len(output_rows), hidden]: the last layer computes only
+        the rows the step uses (worker/step_inputs.py) past its attention."""
         hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, residual = run_decoder_layers(
+            self.layers, positions, hidden_states, output_rows
+        )
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -178,8 +217,15 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_weights(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    supports_output_rows = True  # forward(..., output_rows) computes only those rows' outputs
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, output_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

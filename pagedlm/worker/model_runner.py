@@ -2,7 +2,8 @@
 and the sampler; applies each SchedulerOutput diff to its batch and runs one step.
 
 Logits are computed only for rows that are sampled, and for prompt rows of requests that
-asked for prompt logprobs. Under tensor parallelism every rank runs the same forward and the
+asked for prompt logprobs; past its attention, the model's last layer computes only those rows
+(and pooled ones) too. Under tensor parallelism every rank runs the same forward and the
 same `compute_logits` calls (they are collectives); only the first rank gets whole logits,
 samples and pools, and its output is the step's output.
 """
@@ -76,6 +77,11 @@ class ModelRunner:
             self.lora_manager = WorkerLoRAManager(
                 self.model, vllm_config.lora_config, self.model_config.dtype, device
             )
+        # the last layer computes only the rows a step uses (step_inputs.py); not with LoRA,
+        # whose per-token adapter mapping covers every row
+        self._select_outputs = (
+            getattr(self.model, "supports_output_rows", False) and self.lora_manager is None
+        )
 
     def _new_input_batch(self) -> InputBatch:
         max_len = self.model_config.max_model_len
@@ -116,7 +122,9 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled_req_ids:
             return output
-        inputs = build_step_inputs(self.input_batch, scheduler_output, self.block_size)
+        inputs = build_step_inputs(
+            self.input_batch, scheduler_output, self.block_size, self._select_outputs
+        )
         device = self.device
         input_ids = torch.from_numpy(inputs.input_ids).to(device)
         positions = torch.from_numpy(inputs.positions).to(device)
@@ -133,9 +141,16 @@ class ModelRunner:
         plan = None
         if not kwargs and isinstance(lora, nullcontext) and self.proposer is None:
             plan = self._decode_plan(input_ids.shape[0], attn_metadata)
+        output_rows = None
+        if inputs.output_rows is not None:
+            output_rows = torch.from_numpy(inputs.output_rows).to(device)
         if plan is not None:
             hidden_states = plan.run(input_ids, positions, attn_metadata)
+            if output_rows is not None:  # a one-token prompt chunk that does not sample
+                hidden_states = hidden_states[output_rows]
         else:
+            if output_rows is not None:
+                kwargs["output_rows"] = output_rows
             with set_forward_context(attn_metadata), lora:
                 hidden_states = self.model(input_ids, positions, **kwargs)
         if isinstance(self.proposer, DraftModelProposer):

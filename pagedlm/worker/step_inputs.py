@@ -5,6 +5,12 @@ backend relies on it. A request samples when the step reaches its last token; wi
 speculative drafts it needs the logits of its last `num_logits[i]` = drafts + 1 rows, so
 `logits_indices` lists, request after request, `num_logits[i]` consecutive token rows for
 request `sampling_rows[i]` of the persistent batch.
+
+Output rows: the rows whose hidden states the step uses, per request a suffix of its query
+(the sampled rows; every row for pooling and prompt logprobs; none for a prompt chunk that
+neither samples nor scores). With `select_outputs`, a step that uses fewer rows than it computes
+has the model's last layer compute only those (`output_rows`), and `logits_indices` and
+`query_starts` index the model's output rows; otherwise they index token rows.
 """
 
 from __future__ import annotations
@@ -26,16 +32,50 @@ class StepInputs:
     positions: np.ndarray  # [num_tokens] int64
     token_type_ids: np.ndarray | None  # [num_tokens] int64, for encoders with segment ids
     attn: CommonAttentionMetadata
+    output_rows: np.ndarray | None  # [num_outputs] token rows the model outputs; None: all
     sampling_rows: np.ndarray  # persistent rows of the requests sampled this step
     sampling_states: list[CachedRequestState]  # their states, same order
-    logits_indices: np.ndarray  # [num_logits.sum()] int64
+    logits_indices: np.ndarray  # [num_logits.sum()] int64, rows of the model's output
     num_logits: np.ndarray  # [len(sampling_rows)] logits rows per sampled request
-    query_starts: dict[str, tuple[int, int, int]]  # req_id -> (row start, num tokens, position)
+    # req_id -> (output row of its first token, num tokens, position); the row is meaningful
+    # for requests that output every row (pooling, prompt logprobs)
+    query_starts: dict[str, tuple[int, int, int]]
+
+
+def suffix_rows(ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The last lengths[i] rows before ends[i], request after request."""
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(ends - lengths, lengths) + within
+
+
+def _output_lens(
+    states: list[CachedRequestState],
+    query_lens: np.ndarray,
+    sampling: np.ndarray,
+    num_logits: np.ndarray,
+) -> np.ndarray:
+    """Per request, how many trailing query rows the step uses (see the module docstring)."""
+    every_row = np.fromiter(
+        (
+            s.pooling_params is not None
+            or (s.sampling_params is not None and s.sampling_params.prompt_logprobs is not None)
+            for s in states
+        ),
+        dtype=bool,
+        count=len(states),
+    )
+    lens = np.where(every_row, query_lens, 0)
+    lens[sampling] = np.maximum(lens[sampling], num_logits)
+    return lens
 
 
 def build_step_inputs(
-    batch: InputBatch, scheduler_output: SchedulerOutput, block_size: int
+    batch: InputBatch,
+    scheduler_output: SchedulerOutput,
+    block_size: int,
+    select_outputs: bool = False,
 ) -> StepInputs:
+    """`select_outputs`: the model can compute its last layer for the output rows only."""
     num_sched = scheduler_output.num_scheduled_tokens
     req_ids = scheduler_output.scheduled_req_ids
     rows = batch.rows_of(req_ids)
@@ -68,10 +108,16 @@ def build_step_inputs(
         (s.sampling_params is not None for s in states), dtype=bool, count=num_reqs
     )
     num_logits = num_drafts[sampling] + 1
-    first_logit = query_start_loc[1:][sampling] - num_logits
-    within = np.arange(int(num_logits.sum())) - np.repeat(
-        np.cumsum(num_logits) - num_logits, num_logits
-    )
+    output_rows = output_lens = None
+    output_ends, first_rows = query_start_loc[1:], query_start_loc[:-1]
+    if select_outputs:
+        output_lens = _output_lens(states, query_lens, sampling, num_logits)
+        if int(output_lens.sum()) < num_tokens:
+            output_rows = suffix_rows(output_ends, output_lens)
+            output_ends = np.cumsum(output_lens)
+            first_rows = output_ends - output_lens
+        else:
+            output_lens = None
     token_type_ids = None
     if any(s.token_type_ids is not None for s in states):
         token_type_ids = np.concatenate(
@@ -94,13 +140,15 @@ def build_step_inputs(
             block_table=block_table,
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,
+            output_query_lens=output_lens,
         ),
+        output_rows=output_rows,
         sampling_rows=rows[sampling],
         sampling_states=[s for s, sampled in zip(states, sampling.tolist()) if sampled],
-        logits_indices=np.repeat(first_logit, num_logits) + within,
+        logits_indices=suffix_rows(output_ends[sampling], num_logits),
         num_logits=num_logits,
         query_starts={
-            s.req_id: (int(query_start_loc[i]), int(query_lens[i]), int(starts[i]))
+            s.req_id: (int(first_rows[i]), int(query_lens[i]), int(starts[i]))
             for i, s in enumerate(states)
         },
     )

@@ -137,3 +137,43 @@ def test_preempted_request_sends_its_prompt_logprobs_once(tiny_qwen2) -> None:
             assert [x.logprob for x in a.values()] == pytest.approx(
                 [x.logprob for x in b.values()], abs=1e-5
             )
+
+
+def test_last_layer_on_output_rows_only_matches_every_row(tiny_qwen2, monkeypatch) -> None:
+    """The last layer computing only the rows a step uses (sampled rows, prompt-logprob rows)
+    gives the tokens and logprobs of computing every row: chunks of 1-7 tokens that do not
+    sample, prompts scored whole next to prompts sampled, decodes in the same steps."""
+    from pagedlm.models.llama import LlamaForCausalLM
+
+    prompts = _prompts(8)
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=6,
+            ignore_eos=True,
+            logprobs=2,
+            prompt_logprobs=2 if i % 3 == 0 else None,
+        )
+        for i in range(len(prompts))
+    ]
+
+    def generate():
+        llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, max_num_batched_tokens=23)
+        runner = llm.llm_engine.model_executor.driver_worker.model_runner
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return runner._select_outputs, outs
+
+    selected, rows_only = generate()
+    monkeypatch.setattr(LlamaForCausalLM, "supports_output_rows", False)
+    every_row, all_rows = generate()
+    assert selected and not every_row
+    for a, b in zip(rows_only, all_rows):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        steps = [*(a.prompt_logprobs or [])[1:], *a.outputs[0].logprobs]
+        others = [*(b.prompt_logprobs or [])[1:], *b.outputs[0].logprobs]
+        assert len(steps) == len(others)
+        for x, y in zip(steps, others):
+            assert x.keys() == y.keys()
+            assert [v.logprob for v in x.values()] == pytest.approx(
+                [v.logprob for v in y.values()], abs=1e-5
+            )

@@ -49,7 +49,10 @@ def run_case(
     window: int | None = None,
     seed: int = 0,
     pad_rows: int = 0,
+    output_lens: list[int] | None = None,
 ) -> None:
+    """`output_lens`: attend only each request's last output_lens[i] query rows, as a model's
+    last layer does (the keys/values of every token are still written)."""
     gen = torch.Generator().manual_seed(seed)
     num_decodes = 0
     while num_decodes < len(specs) and specs[num_decodes][1] == 1:
@@ -93,7 +96,10 @@ def run_case(
         block_table=block_table,
         slot_mapping=slot_mapping,
         num_decodes=num_decodes,
+        output_query_lens=None if output_lens is None else np.array(output_lens, np.int64),
     )
+    if output_lens is not None:
+        queries = [q[len(q) - n :] for q, n in zip(queries, output_lens)]
     query = torch.cat(queries)
     key = torch.cat([k[c:] for k, (c, _) in zip(full_k, specs)])
     value = torch.cat([v[c:] for v, (c, _) in zip(full_v, specs)])
@@ -109,6 +115,7 @@ def run_case(
         ]
     )
     num_tokens = int(query_start_loc[-1])
+    num_rows = num_tokens if output_lens is None else sum(output_lens)
     # the PyTorch path, then the C kernels (when built) on a fresh copy of the cache
     cache_before_step = kv_cache.clone()
     for use_c_kernel in (False, None):
@@ -117,7 +124,7 @@ def run_case(
         metadata = backend.build(common, torch.device("cpu"))
         out = backend.forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5, window)
         assert out.shape == query.shape
-        torch.testing.assert_close(out[:num_tokens], expected, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[:num_rows], expected, atol=ATOL, rtol=RTOL)
 
     # The new keys/values landed at their slots; nothing else in the cache changed.
     flat = kv_cache.view(2, -1, num_kv_heads, HEAD_SIZE)
@@ -178,6 +185,22 @@ def test_sliding_window_pure_prefill() -> None:
 
 def test_padded_input_rows_are_ignored() -> None:
     run_case([(5, 1), (0, 6), (3, 4)], pad_rows=5)
+
+
+@pytest.mark.parametrize(
+    "specs, output_lens",
+    [
+        # decodes and prefills that sample (one row each): all through the decode path
+        ([(6, 1), (12, 1), (0, 7), (9, 3)], [1, 1, 1, 1]),
+        # a chunk that does not sample (0), a whole prompt scored (7) before a sampled one (1),
+        # a chunk after a cached prefix with drafts (3 of 5 rows)
+        ([(6, 1), (0, 1), (0, 7), (4, 4), (9, 5), (0, 2)], [1, 0, 7, 0, 3, 1]),
+        ([(0, 9), (3, 4)], [0, 0]),  # no outputs: keys and values are still written
+    ],
+)
+@pytest.mark.parametrize("window", [None, 3])
+def test_output_rows_only(specs, output_lens, window) -> None:
+    run_case(specs, window=window, output_lens=output_lens, seed=len(specs))
 
 
 # ------------------------------------------------------------------- step inputs
@@ -249,6 +272,39 @@ def test_build_step_inputs_order_and_slot_mapping() -> None:
     assert inputs.query_starts == {"b": (0, 1, 9), "d": (1, 1, 4), "a": (2, 6, 0), "c": (8, 3, 4)}
     for arr in (attn.query_start_loc, attn.seq_lens, attn.block_table, attn.slot_mapping):
         assert arr.dtype == np.int64
+
+
+def test_build_step_inputs_selects_output_rows() -> None:
+    """With select_outputs, the rows the step uses: b and d decode, a samples its last row, c
+    (a chunk that does not sample) outputs all its rows for prompt logprobs, e none."""
+    batch = _batch()
+    scored = _new("c", 10, [0, 5], 4)
+    scored.sampling_params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+    so = SchedulerOutput(
+        scheduled_new_reqs=[
+            _new("a", 6, [7, 2], 0),
+            _new("b", 10, [3, 9, 11], 9),
+            scored,
+            _new("d", 5, [14, 6], 4),
+            _new("e", 9, [1, 4], 0),  # tokens 0..4 of 9: no sample, no outputs
+        ],
+        scheduled_req_ids=["a", "b", "c", "d", "e"],
+        num_scheduled_tokens={"a": 6, "b": 1, "c": 3, "d": 1, "e": 5},
+        num_computed_tokens={"a": 0, "b": 9, "c": 4, "d": 4, "e": 0},
+    )
+    batch.apply(so)
+    every_row = build_step_inputs(batch, so, 4)
+    inputs = build_step_inputs(batch, so, 4, select_outputs=True)
+
+    assert [s.req_id for s in inputs.states] == ["b", "d", "a", "c", "e"]
+    assert every_row.output_rows is None and every_row.attn.output_query_lens is None
+    assert inputs.attn.output_query_lens.tolist() == [1, 1, 1, 3, 0]
+    assert inputs.output_rows.tolist() == [0, 1, 7, 8, 9, 10]  # token rows
+    # logits and the first rows of c (prompt logprobs) index the output rows
+    assert every_row.logits_indices.tolist() == [0, 1, 7]
+    assert inputs.logits_indices.tolist() == [0, 1, 2]
+    assert inputs.query_starts["c"] == (3, 3, 4)
+    assert every_row.query_starts["c"] == (8, 3, 4)
 
 
 def test_build_step_inputs_feeds_the_backend() -> None:
