@@ -180,6 +180,7 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
+    supports_output_rows = True  # as LlamaForCausalLM
 
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
@@ -190,8 +191,6 @@ class Gemma3ForCausalLM(nn.Module):
         if self.tied:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-
-    supports_output_rows = True  # as LlamaForCausalLM
 
     def forward(
         self,

@@ -208,6 +208,7 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
     ]
+    supports_output_rows = True  # forward(..., output_rows) computes only those rows' outputs
 
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
@@ -216,8 +217,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_weights(self.model.embed_tokens)
-
-    supports_output_rows = True  # forward(..., output_rows) computes only those rows' outputs
 
     def forward(
         self,
