@@ -66,6 +66,8 @@ def _output_lens(
     )
     lens = np.where(every_row, query_lens, 0)
     lens[sampling] = np.maximum(lens[sampling], num_logits)
+    if not lens.any():  # one row all the same: no kernel is ever given an empty batch
+        lens[-1] = 1
     return lens
 
 

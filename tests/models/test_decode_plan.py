@@ -116,3 +116,42 @@ def test_other_linear_paths_run_the_modules(
             assert not LlamaDecodePlan.supports(runner.model) and not runner._decode_plans
         finally:
             llm.llm_engine.shutdown()
+
+
+def test_decode_plan_with_a_one_token_prompt_chunk(tiny_llama, mixed_gguf, monkeypatch) -> None:  # noqa: F811
+    """A token budget of 2: one request decodes while the other's prompt goes in one token a
+    step. Those steps are decode-shaped (every query one token) but one row is not sampled:
+    the plan runs them whole and the step keeps the sampled row (the modules' last layer
+    computes that row alone); both give the same tokens and logprobs."""
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 30))}]
+
+    def generate() -> list:
+        llm = LLM(
+            str(mixed_gguf),
+            tokenizer=str(tiny_llama),
+            max_model_len=128,
+            max_num_seqs=2,
+            max_num_batched_tokens=2,
+            dtype="float32",
+        )
+        try:
+            outs = [o.outputs[0] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+        return [
+            (o.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs])
+            for o in outs
+        ]
+
+    subsets: list[int] = []
+    run = LlamaDecodePlan.run
+
+    def counting_run(self, input_ids, *args):
+        subsets.append(input_ids.shape[0])
+        return run(self, input_ids, *args)
+
+    monkeypatch.setattr(LlamaDecodePlan, "run", counting_run)
+    with_plan = generate()
+    assert subsets.count(2) >= 10  # A decoding beside B's prompt tokens, one a step
+    monkeypatch.setenv("PAGEDLM_DISABLE_DECODE_PLAN", "1")
+    assert generate() == with_plan

@@ -307,6 +307,23 @@ def test_build_step_inputs_selects_output_rows() -> None:
     assert every_row.query_starts["c"] == (8, 3, 4)
 
 
+def test_build_step_inputs_never_selects_no_rows() -> None:
+    """A step of prompt chunks that neither sample nor score keeps its last row anyway, so that
+    no kernel of the last layer is given an empty batch."""
+    batch = _batch()
+    so = SchedulerOutput(
+        scheduled_new_reqs=[_new("a", 9, [1, 4, 6], 0), _new("b", 9, [2, 3, 5], 0)],
+        scheduled_req_ids=["a", "b"],
+        num_scheduled_tokens={"a": 5, "b": 3},
+        num_computed_tokens={"a": 0, "b": 0},
+    )
+    batch.apply(so)
+    inputs = build_step_inputs(batch, so, 4, select_outputs=True)
+    assert inputs.output_rows.tolist() == [7]
+    assert inputs.attn.output_query_lens.tolist() == [0, 1]
+    assert inputs.logits_indices.tolist() == []
+
+
 def test_build_step_inputs_feeds_the_backend() -> None:
     """The builder's metadata and a cache filled through it match the dense reference."""
     bs, heads, kv_heads = 2, 4, 2
