@@ -8,9 +8,10 @@ request `sampling_rows[i]` of the persistent batch.
 
 Output rows: the rows whose hidden states the step uses, per request a suffix of its query
 (the sampled rows; every row for pooling and prompt logprobs; none for a prompt chunk that
-neither samples nor scores). With `select_outputs`, a step that uses fewer rows than it computes
-has the model's last layer compute only those (`output_rows`), and `logits_indices` and
-`query_starts` index the model's output rows; otherwise they index token rows.
+neither samples nor scores; a step that would use none keeps its last row). With
+`select_outputs`, a step that uses fewer rows than it computes has the model's last layer
+compute only those (`output_rows`), and `logits_indices` and `query_starts` index the model's
+output rows; otherwise they index token rows.
 """
 
 from __future__ import annotations
