@@ -32,6 +32,12 @@ class CommonAttentionMetadata:
     output_query_lens: np.ndarray | None = None
 
 
+def num_leading_decodes(query_lens: np.ndarray) -> int:
+    """How many requests at the front of the batch have query length 1."""
+    several = query_lens != 1
+    return int(np.argmax(several)) if several.any() else len(query_lens)
+
+
 class AttentionBackend(ABC):
     @abstractmethod
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> object:

@@ -25,7 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedlm.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagedlm.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    num_leading_decodes,
+)
 from pagedlm.attention.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv
 from pagedlm.kernels.cpu import cpu_kernels
 from pagedlm.kernels.cpu_attention import (
@@ -123,7 +127,6 @@ class CPUAttentionBackend(AttentionBackend):
         lens = common.output_query_lens
         if lens is not None:
             kept = np.flatnonzero(lens)  # requests with output rows, in batch order
-            ones = lens[kept] == 1  # decode-shaped: leading ones go to the decode kernel
             query_start_loc = np.zeros(len(kept) + 1, dtype=np.int64)
             np.cumsum(lens[kept], out=query_start_loc[1:])
             outputs = CommonAttentionMetadata(
@@ -131,7 +134,7 @@ class CPUAttentionBackend(AttentionBackend):
                 seq_lens=common.seq_lens[kept],
                 block_table=common.block_table[kept],
                 slot_mapping=np.empty(0, dtype=np.int64),  # nothing to store
-                num_decodes=len(kept) if ones.all() else int(np.argmin(ones)),
+                num_decodes=num_leading_decodes(lens[kept]),  # to the decode kernel
             )
             metadata.outputs = self._build(outputs, device, fresh_keys=False)
         return metadata

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedlm.attention.backend import CommonAttentionMetadata
+from pagedlm.attention.backend import CommonAttentionMetadata, num_leading_decodes
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -102,7 +102,7 @@ def build_step_inputs(
     slot_mapping = (
         block_table[req_index, positions // block_size] * block_size + positions % block_size
     )
-    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_reqs
+    num_decodes = num_leading_decodes(query_lens)
     states = [batch.states[r] for r in rows.tolist()]
     # A request samples when this step reaches its last token (not pooling requests); any
     # positions past it hold draft tokens to verify.
