@@ -141,16 +141,11 @@ class ModelRunner:
         plan = None
         if not kwargs and isinstance(lora, nullcontext) and self.proposer is None:
             plan = self._decode_plan(input_ids.shape[0], attn_metadata)
-        output_rows = None
-        if inputs.output_rows is not None:
-            output_rows = torch.from_numpy(inputs.output_rows).to(device)
-        if plan is not None:
+        if plan is not None:  # every query one row: no output rows selected (step_inputs.py)
             hidden_states = plan.run(input_ids, positions, attn_metadata)
-            if output_rows is not None:  # a one-token prompt chunk that does not sample
-                hidden_states = hidden_states[output_rows]
         else:
-            if output_rows is not None:
-                kwargs["output_rows"] = output_rows
+            if inputs.output_rows is not None:
+                kwargs["output_rows"] = torch.from_numpy(inputs.output_rows).to(device)
             with set_forward_context(attn_metadata), lora:
                 hidden_states = self.model(input_ids, positions, **kwargs)
         if isinstance(self.proposer, DraftModelProposer):

@@ -9,9 +9,9 @@ request `sampling_rows[i]` of the persistent batch.
 Output rows: the rows whose hidden states the step uses, per request a suffix of its query
 (the sampled rows; every row for pooling and prompt logprobs; none for a prompt chunk that
 neither samples nor scores; a step that would use none keeps its last row). With
-`select_outputs`, a step that uses fewer rows than it computes has the model's last layer
-compute only those (`output_rows`), and `logits_indices` and `query_starts` index the model's
-output rows; otherwise they index token rows.
+`select_outputs`, a step with a query of several rows that uses fewer rows than it computes
+has the model's last layer compute only those (`output_rows`), and `logits_indices` and
+`query_starts` index the model's output rows; otherwise they index token rows.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def build_step_inputs(
     num_logits = num_drafts[sampling] + 1
     output_rows = output_lens = None
     output_ends, first_rows = query_start_loc[1:], query_start_loc[:-1]
-    if select_outputs:
+    if select_outputs and num_tokens > num_reqs:  # not when every query is one row
         output_lens = _output_lens(states, query_lens, sampling, num_logits)
         if int(output_lens.sum()) < num_tokens:
             output_rows = suffix_rows(output_ends, output_lens)

@@ -121,8 +121,9 @@ def test_other_linear_paths_run_the_modules(
 def test_decode_plan_with_a_one_token_prompt_chunk(tiny_llama, mixed_gguf, monkeypatch) -> None:  # noqa: F811
     """A token budget of 2: one request decodes while the other's prompt goes in one token a
     step. Those steps are decode-shaped (every query one token) but one row is not sampled:
-    the plan runs them whole and the step keeps the sampled row (the modules' last layer
-    computes that row alone); both give the same tokens and logprobs."""
+    the plan runs them whole, rows are selected only for queries of several rows. Then the
+    other's prompt goes in chunks of two that use no row (the modules' last layer keeps one).
+    Plan and modules give the same tokens and logprobs."""
     prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 30))}]
 
     def generate() -> list:
