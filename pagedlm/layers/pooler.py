@@ -31,6 +31,7 @@ def pool(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
 
 class Pooler(nn.Module):
     tasks: tuple[str, ...] = ()
+    pooling_type: str  # the rows `pool` reads; "LAST": the prompt's last row alone
 
     def forward(self, hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         raise NotImplementedError

@@ -2,7 +2,8 @@
 
 `as_embedding_model(LlamaForCausalLM)` embeds with the last token's final hidden state
 (normalized), as Qwen3-Embedding-style models do; `as_seq_cls_model(...)` applies the
-checkpoint's `score` head to the last token (Qwen2/Llama ForSequenceClassification).
+checkpoint's `score` head to the last token (Qwen2/Llama ForSequenceClassification). Both pool
+the LAST row, so their last layer computes that row alone (`output_rows`, step_inputs.py).
 """
 
 from __future__ import annotations
@@ -30,14 +31,21 @@ def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]], keep: tuple[
 
 def as_embedding_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
     class EmbeddingModel(nn.Module):
+        supports_output_rows = causal_cls.supports_output_rows
+
         def __init__(self, config: Any, max_position: int, model_dir: str | None = None):
             super().__init__()
             self.config = config
             self.model = causal_cls.model_cls(config, max_position)
             self.pooler = EmbeddingPooler("LAST", normalize=True)
 
-        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids, positions)
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            output_rows: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            return self.model(input_ids, positions, output_rows)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             return load_packed_weights(
@@ -53,6 +61,8 @@ def as_embedding_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
 
 def as_seq_cls_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
     class ForSequenceClassification(nn.Module):
+        supports_output_rows = causal_cls.supports_output_rows
+
         def __init__(self, config: Any, max_position: int, model_dir: str | None = None):
             super().__init__()
             self.config = config
@@ -61,8 +71,13 @@ def as_seq_cls_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
             self.score = ReplicatedLinear(config.hidden_size, self.num_labels, bias=False)
             self.pooler = ClassifierPooler("LAST", self.score, self.num_labels)
 
-        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids, positions)
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            output_rows: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            return self.model(input_ids, positions, output_rows)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             return load_packed_weights(

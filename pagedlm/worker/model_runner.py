@@ -82,6 +82,8 @@ class ModelRunner:
         self._select_outputs = (
             getattr(self.model, "supports_output_rows", False) and self.lora_manager is None
         )
+        pooler = getattr(self.model, "pooler", None)
+        self._pool_last_row = getattr(pooler, "pooling_type", None) == "LAST"
 
     def _new_input_batch(self) -> InputBatch:
         max_len = self.model_config.max_model_len
@@ -123,7 +125,11 @@ class ModelRunner:
         if not scheduler_output.scheduled_req_ids:
             return output
         inputs = build_step_inputs(
-            self.input_batch, scheduler_output, self.block_size, self._select_outputs
+            self.input_batch,
+            scheduler_output,
+            self.block_size,
+            self._select_outputs,
+            self._pool_last_row,
         )
         device = self.device
         input_ids = torch.from_numpy(inputs.input_ids).to(device)
@@ -307,12 +313,14 @@ class ModelRunner:
                 output.spec_token_ids[state.req_id] = drafts
 
     def _pool(self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput):
-        """Pooling requests are computed whole in one step: pool all their rows."""
+        """Pooling requests are computed whole in one step: pool their output rows (every
+        row, or the last one alone for a pooler that reads no other)."""
         for state in inputs.states:
             if state.pooling_params is None:
                 continue
-            start, num_rows, position = inputs.query_starts[state.req_id]
-            assert position == 0 and num_rows == state.num_tokens, "pooling needs whole prompts"
+            start, num_rows, position = inputs.output_spans[state.req_id]
+            assert position + num_rows == state.num_tokens, "pooling needs whole prompts"
+            assert position == 0 or self._pool_last_row, "the pooler reads every row"
             rows = hidden_states[start : start + num_rows]
             output.pooler_output[state.req_id] = (
                 self.model.pooler(rows, state.pooling_params).float().cpu()
@@ -326,7 +334,7 @@ class ModelRunner:
             params = state.sampling_params
             if params is None or params.prompt_logprobs is None:
                 continue
-            row_start, num_rows, position = inputs.query_starts[state.req_id]
+            row_start, num_rows, position = inputs.output_spans[state.req_id]
             # a row at position p predicts prompt token p + 1; rows already sent are skipped
             num_rows = min(num_rows, state.num_prompt_tokens - 1 - position)
             skip = min(max(state.num_prompt_logprobs_sent - position, 0), max(num_rows, 0))

@@ -7,11 +7,12 @@ speculative drafts it needs the logits of its last `num_logits[i]` = drafts + 1 
 request `sampling_rows[i]` of the persistent batch.
 
 Output rows: the rows whose hidden states the step uses, per request a suffix of its query
-(the sampled rows; every row for pooling and prompt logprobs; none for a prompt chunk that
-neither samples nor scores; a step that would use none keeps its last row). With
-`select_outputs`, a step with a query of several rows that uses fewer rows than it computes
-has the model's last layer compute only those (`output_rows`), and `logits_indices` and
-`query_starts` index the model's output rows; otherwise they index token rows.
+(the sampled rows; every row for prompt logprobs, and for pooling unless the pooler reads the
+prompt's last row only; none for a prompt chunk that neither samples nor scores; a step that
+would use none keeps its last row). With `select_outputs`, a step with a query of several rows
+that uses fewer rows than it computes has the model's last layer compute only those
+(`output_rows`), and `logits_indices` and `output_spans` index the model's output rows;
+otherwise they index token rows.
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ class StepInputs:
     sampling_states: list[CachedRequestState]  # their states, same order
     logits_indices: np.ndarray  # [num_logits.sum()] int64, rows of the model's output
     num_logits: np.ndarray  # [len(sampling_rows)] logits rows per sampled request
-    # req_id -> (output row of its first token, num tokens, position); the row is meaningful
-    # for requests that output every row (pooling, prompt logprobs)
-    query_starts: dict[str, tuple[int, int, int]]
+    # req_id -> (first output row, number of output rows, position of that row's token)
+    output_spans: dict[str, tuple[int, int, int]]
 
 
 def suffix_rows(ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -54,18 +54,21 @@ def _output_lens(
     query_lens: np.ndarray,
     sampling: np.ndarray,
     num_logits: np.ndarray,
+    pool_last_row: bool,
 ) -> np.ndarray:
     """Per request, how many trailing query rows the step uses (see the module docstring)."""
-    every_row = np.fromiter(
+    pooled = np.fromiter((s.pooling_params is not None for s in states), bool, len(states))
+    scored = np.fromiter(
         (
-            s.pooling_params is not None
-            or (s.sampling_params is not None and s.sampling_params.prompt_logprobs is not None)
+            s.sampling_params is not None and s.sampling_params.prompt_logprobs is not None
             for s in states
         ),
-        dtype=bool,
-        count=len(states),
+        bool,
+        len(states),
     )
-    lens = np.where(every_row, query_lens, 0)
+    lens = np.where(scored | (pooled & (not pool_last_row)), query_lens, 0)
+    if pool_last_row:  # pooling requests are computed whole in one step
+        lens[pooled] = 1
     lens[sampling] = np.maximum(lens[sampling], num_logits)
     if not lens.any():  # one row all the same: no kernel is ever given an empty batch
         lens[-1] = 1
@@ -77,8 +80,10 @@ def build_step_inputs(
     scheduler_output: SchedulerOutput,
     block_size: int,
     select_outputs: bool = False,
+    pool_last_row: bool = False,
 ) -> StepInputs:
-    """`select_outputs`: the model can compute its last layer for the output rows only."""
+    """`select_outputs`: the model can compute its last layer for the output rows only;
+    `pool_last_row`: its pooler reads each prompt's last row only."""
     num_sched = scheduler_output.num_scheduled_tokens
     req_ids = scheduler_output.scheduled_req_ids
     rows = batch.rows_of(req_ids)
@@ -112,13 +117,12 @@ def build_step_inputs(
     )
     num_logits = num_drafts[sampling] + 1
     output_rows = output_lens = None
-    output_ends, first_rows = query_start_loc[1:], query_start_loc[:-1]
+    output_ends, num_outputs = query_start_loc[1:], query_lens
     if select_outputs and num_tokens > num_reqs:  # not when every query is one row
-        output_lens = _output_lens(states, query_lens, sampling, num_logits)
+        output_lens = _output_lens(states, query_lens, sampling, num_logits, pool_last_row)
         if int(output_lens.sum()) < num_tokens:
             output_rows = suffix_rows(output_ends, output_lens)
-            output_ends = np.cumsum(output_lens)
-            first_rows = output_ends - output_lens
+            output_ends, num_outputs = np.cumsum(output_lens), output_lens
         else:
             output_lens = None
     token_type_ids = None
@@ -150,8 +154,8 @@ def build_step_inputs(
         sampling_states=[s for s, sampled in zip(states, sampling.tolist()) if sampled],
         logits_indices=suffix_rows(output_ends[sampling], num_logits),
         num_logits=num_logits,
-        query_starts={
-            s.req_id: (int(first_rows[i]), int(query_lens[i]), int(starts[i]))
-            for i, s in enumerate(states)
+        output_spans={
+            s.req_id: (int(output_ends[i] - n), int(n), int(seq_lens[i] - n))
+            for i, (s, n) in enumerate(zip(states, num_outputs.tolist()))
         },
     )

@@ -164,14 +164,19 @@ def test_qwen2_sequence_classifier_matches_transformers(tmp_path) -> None:
 
 
 def test_decoder_as_last_token_embedder(tiny_qwen2) -> None:
+    """Prompts of several lengths embedded in one step; the last layer computes each prompt's
+    last row alone (the pooler reads no other) and matches transformers' last hidden state."""
     from transformers import AutoModel
 
     llm = LLM(str(tiny_qwen2), runner="pooling", dtype="float32", max_model_len=64)
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    assert runner._select_outputs and runner._pool_last_row
     assert llm.llm_engine.get_supported_tasks() == ("embed", "score")
-    prompt = [5, 6, 7, 8, 9]
-    out = llm.embed({"prompt_token_ids": prompt}, use_tqdm=False)[0]
+    prompts = [[5, 6, 7, 8, 9], [11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
     hf = AutoModel.from_pretrained(tiny_qwen2).eval()
-    with torch.no_grad():
-        last = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
-    want = F.normalize(last, dim=-1)
-    assert torch.tensor(out.outputs.embedding) == pytest.approx(want, abs=1e-4)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            last = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
+        want = F.normalize(last, dim=-1)
+        assert torch.tensor(out.outputs.embedding) == pytest.approx(want, abs=1e-4)

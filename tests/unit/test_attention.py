@@ -11,6 +11,7 @@ import torch
 from pagedlm.attention.backend import CommonAttentionMetadata
 from pagedlm.attention.cpu_attn import CPUAttentionBackend
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.step_inputs import build_step_inputs
@@ -269,7 +270,7 @@ def test_build_step_inputs_order_and_slot_mapping() -> None:
     assert [s.req_id for s in inputs.sampling_states] == ["b", "d", "a"]
     assert [batch.req_ids[r] for r in inputs.sampling_rows] == ["b", "d", "a"]
     assert inputs.logits_indices.tolist() == [0, 1, 7]
-    assert inputs.query_starts == {"b": (0, 1, 9), "d": (1, 1, 4), "a": (2, 6, 0), "c": (8, 3, 4)}
+    assert inputs.output_spans == {"b": (0, 1, 9), "d": (1, 1, 4), "a": (2, 6, 0), "c": (8, 3, 4)}
     for arr in (attn.query_start_loc, attn.seq_lens, attn.block_table, attn.slot_mapping):
         assert arr.dtype == np.int64
 
@@ -303,8 +304,32 @@ def test_build_step_inputs_selects_output_rows() -> None:
     # logits and the first rows of c (prompt logprobs) index the output rows
     assert every_row.logits_indices.tolist() == [0, 1, 7]
     assert inputs.logits_indices.tolist() == [0, 1, 2]
-    assert inputs.query_starts["c"] == (3, 3, 4)
-    assert every_row.query_starts["c"] == (8, 3, 4)
+    assert inputs.output_spans["c"] == (3, 3, 4)
+    assert every_row.output_spans["c"] == (8, 3, 4)
+
+
+def test_build_step_inputs_pools_last_rows_only_when_the_pooler_reads_no_other() -> None:
+    """Pooling requests (whole prompts) output every row, or with `pool_last_row` their last
+    one; the spans say where each request's output rows are and whose positions they hold."""
+    batch = _batch()
+    reqs = [_new("a", 6, [7, 2], 0), _new("b", 3, [3], 0)]
+    for r in reqs:
+        r.sampling_params, r.pooling_params = None, PoolingParams()
+    so = SchedulerOutput(
+        scheduled_new_reqs=reqs,
+        scheduled_req_ids=["a", "b"],
+        num_scheduled_tokens={"a": 6, "b": 3},
+        num_computed_tokens={"a": 0, "b": 0},
+    )
+    batch.apply(so)
+    every_row = build_step_inputs(batch, so, 4, select_outputs=True)
+    last = build_step_inputs(batch, so, 4, select_outputs=True, pool_last_row=True)
+    assert every_row.output_rows is None
+    assert every_row.output_spans == {"a": (0, 6, 0), "b": (6, 3, 0)}
+    assert last.output_rows.tolist() == [5, 8]
+    assert last.attn.output_query_lens.tolist() == [1, 1]
+    assert last.output_spans == {"a": (0, 1, 5), "b": (1, 1, 2)}
+    assert last.logits_indices.tolist() == []
 
 
 def test_build_step_inputs_never_selects_no_rows() -> None:
