@@ -178,6 +178,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    model_cls = Gemma3Model  # as LlamaForCausalLM.model_cls: the pooling adapters build it
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
     supports_output_rows = True  # as LlamaForCausalLM
@@ -185,7 +186,7 @@ class Gemma3ForCausalLM(nn.Module):
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma3Model(config, max_position)
+        self.model = self.model_cls(config, max_position)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tied = getattr(config, "tie_word_embeddings", True)
         if self.tied:

@@ -184,3 +184,18 @@ def test_layer_types_from_sliding_window_pattern() -> None:
     config = SimpleNamespace(layer_types=None, sliding_window_pattern=3)
     kinds = [layer_type(config, i) for i in range(6)]
     assert kinds == ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+def test_as_last_token_embedder_matches_transformers(tiny_gemma3) -> None:
+    """Gemma 3 through the pooling adapter (runner="pooling"): each prompt's normalized last
+    hidden state, prompts shorter and longer than the sliding window in one step."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_gemma3), runner="pooling", dtype="float32", max_model_len=64)
+    outs = llm.embed([{"prompt_token_ids": p} for p in _prompts()], use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32).eval()
+    for prompt, out in zip(_prompts(), outs):
+        with torch.no_grad():
+            last = hf.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(last, dim=-1)
+        assert torch.tensor(out.outputs.embedding) == pytest.approx(want, abs=1e-4)
