@@ -8,6 +8,9 @@ Output rows: a step may use the outputs of only the last `output_query_lens[i]` 
 each request (its sampled rows). A model's last layer then passes the queries of those rows
 only: `forward` still writes every token's key/value, and attends the given rows alone, from
 the cache (a suffix of a request's rows sees the same causal context as it does in the whole).
+The backend describes those rows as a batch of its own, every chunk read from the cache; its
+one-row requests need not come first. A query with fewer rows than the step's tokens is the
+output rows' (they are never padded); more rows than tokens is padding, ignored.
 """
 
 from __future__ import annotations

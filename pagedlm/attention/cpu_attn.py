@@ -71,7 +71,7 @@ class CPUAttentionMetadata:
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] long
     decode_seq_lens: torch.Tensor | None  # [num_decodes] long
     max_decode_seq_len: int
-    prefills: list[PrefillChunk]  # chunks that follow a cached prefix
+    prefills: list[PrefillChunk]  # chunks attended from the cache (after a cached prefix)
     fresh_groups: list[FreshPrefillGroup] = field(default_factory=list)
     query_start_loc: list[int] = field(default_factory=list)  # segments, for encoder attention
     # every prefill request (rows num_decode_tokens.. onwards), for the C prefill kernel

@@ -43,23 +43,24 @@ class Attention(nn.Module):
         self.calculate_kv_scales = False  # set from the cache config with the KV cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        num_tokens = q.shape[0]
+        """q: every token's rows, or (the last layer) the output rows'; k, v: every token's."""
+        num_rows = q.shape[0]
         backend = Attention.backend
         assert backend is not None, "the model runner sets Attention.backend"
         if self.attn_type == "encoder_only":
             out = backend.forward_encoder(
-                q.view(num_tokens, self.num_heads, self.head_size),
-                k.view(num_tokens, self.num_kv_heads, self.head_size),
-                v.view(num_tokens, self.num_kv_heads, self.head_size),
+                q.view(num_rows, self.num_heads, self.head_size),
+                k.view(num_rows, self.num_kv_heads, self.head_size),
+                v.view(num_rows, self.num_kv_heads, self.head_size),
                 get_attn_metadata(),
                 self.scale,
             )
-            return out.reshape(num_tokens, self.num_heads * self.head_size)
+            return out.reshape(num_rows, self.num_heads * self.head_size)
         if self.calculate_kv_scales and is_fp8(self.kv_cache.dtype):
             self.k_scale, self.v_scale = calculate_kv_scales(k, v)
             self.calculate_kv_scales = False
         out = backend.forward(
-            q.view(num_tokens, self.num_heads, self.head_size),
+            q.view(num_rows, self.num_heads, self.head_size),
             k.view(k.shape[0], self.num_kv_heads, self.head_size),
             v.view(v.shape[0], self.num_kv_heads, self.head_size),
             self.kv_cache,
@@ -69,7 +70,7 @@ class Attention(nn.Module):
             k_scale=self.k_scale,
             v_scale=self.v_scale,
         )
-        return out.view(num_tokens, self.num_heads * self.head_size)
+        return out.view(num_rows, self.num_heads * self.head_size)
 
 
 def paged_attention_layers(model: nn.Module) -> list[Attention]:

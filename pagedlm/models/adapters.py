@@ -29,23 +29,31 @@ def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]], keep: tuple[
         yield name, tensor
 
 
+class _PooledDecoder(nn.Module):
+    """A causal decoder's `model` (its final hidden states) under a pooler."""
+
+    model: nn.Module
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_rows is None:  # a registered decoder may not take output rows
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, output_rows)
+
+
 def as_embedding_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
-    class EmbeddingModel(nn.Module):
-        supports_output_rows = causal_cls.supports_output_rows
+    class EmbeddingModel(_PooledDecoder):
+        supports_output_rows = getattr(causal_cls, "supports_output_rows", False)
 
         def __init__(self, config: Any, max_position: int, model_dir: str | None = None):
             super().__init__()
             self.config = config
             self.model = causal_cls.model_cls(config, max_position)
             self.pooler = EmbeddingPooler("LAST", normalize=True)
-
-        def forward(
-            self,
-            input_ids: torch.Tensor,
-            positions: torch.Tensor,
-            output_rows: torch.Tensor | None = None,
-        ) -> torch.Tensor:
-            return self.model(input_ids, positions, output_rows)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             return load_packed_weights(
@@ -60,8 +68,8 @@ def as_embedding_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def as_seq_cls_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
-    class ForSequenceClassification(nn.Module):
-        supports_output_rows = causal_cls.supports_output_rows
+    class ForSequenceClassification(_PooledDecoder):
+        supports_output_rows = getattr(causal_cls, "supports_output_rows", False)
 
         def __init__(self, config: Any, max_position: int, model_dir: str | None = None):
             super().__init__()
@@ -70,14 +78,6 @@ def as_seq_cls_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
             self.num_labels = int(getattr(config, "num_labels", 1))
             self.score = ReplicatedLinear(config.hidden_size, self.num_labels, bias=False)
             self.pooler = ClassifierPooler("LAST", self.score, self.num_labels)
-
-        def forward(
-            self,
-            input_ids: torch.Tensor,
-            positions: torch.Tensor,
-            output_rows: torch.Tensor | None = None,
-        ) -> torch.Tensor:
-            return self.model(input_ids, positions, output_rows)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             return load_packed_weights(

@@ -134,7 +134,7 @@ class Gemma3DecoderLayer(nn.Module):
         output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before it); the next norm adds them.
-        `output_rows`: past the attention, only these rows are computed and returned."""
+        `output_rows`: as LlamaDecoderLayer.forward, only these rows attend and go on."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

@@ -155,7 +155,8 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`output_rows`: past the attention, only these rows are computed and returned."""
+        """`output_rows`: only these rows' queries attend, and only they are computed on and
+        returned (every row's key and value still reach the cache)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -186,7 +187,7 @@ class LlamaModel(nn.Module):
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[num_tokens, hidden], or [len(output_rows), hidden]: the last layer computes only
-        the rows the step uses (worker/step_inputs.py) past its attention."""
+        the rows the step uses (worker/step_inputs.py) from its attention's queries on."""
         hidden_states = self.embed_tokens(input_ids)
         hidden_states, residual = run_decoder_layers(
             self.layers, positions, hidden_states, output_rows

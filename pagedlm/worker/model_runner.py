@@ -2,10 +2,11 @@
 and the sampler; applies each SchedulerOutput diff to its batch and runs one step.
 
 Logits are computed only for rows that are sampled, and for prompt rows of requests that
-asked for prompt logprobs; past its attention, the model's last layer computes only those rows
-(and pooled ones) too. Under tensor parallelism every rank runs the same forward and the
-same `compute_logits` calls (they are collectives); only the first rank gets whole logits,
-samples and pools, and its output is the step's output.
+asked for prompt logprobs; the model's last layer computes only those rows (and pooled ones)
+from its attention's queries on, while every token's key and value reach the cache. Under
+tensor parallelism every rank runs the same forward and the same `compute_logits` calls (they
+are collectives); only the first rank gets whole logits, samples and pools, and its output is
+the step's output.
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ class ModelRunner:
             if state.pooling_params is None:
                 continue
             start, num_rows, position = inputs.output_spans[state.req_id]
-            assert position + num_rows == state.num_tokens, "pooling needs whole prompts"
+            assert position + num_rows == state.num_tokens, "a pooled prompt ends in its step"
             assert position == 0 or self._pool_last_row, "the pooler reads every row"
             rows = hidden_states[start : start + num_rows]
             output.pooler_output[state.req_id] = (

@@ -3,8 +3,8 @@
 Batch order: requests with one new token (decodes) first, then prefill chunks; the attention
 backend relies on it. A request samples when the step reaches its last token; with
 speculative drafts it needs the logits of its last `num_logits[i]` = drafts + 1 rows, so
-`logits_indices` lists, request after request, `num_logits[i]` consecutive token rows for
-request `sampling_rows[i]` of the persistent batch.
+`logits_indices` lists, request after request, `num_logits[i]` consecutive rows of the model's
+output for request `sampling_rows[i]` of the persistent batch.
 
 Output rows: the rows whose hidden states the step uses, per request a suffix of its query
 (the sampled rows; every row for prompt logprobs, and for pooling unless the pooler reads the
@@ -66,11 +66,11 @@ def _output_lens(
         bool,
         len(states),
     )
-    lens = np.where(scored | (pooled & (not pool_last_row)), query_lens, 0)
+    lens = np.where(scored | pooled, query_lens, 0)
     if pool_last_row:  # pooling requests are computed whole in one step
         lens[pooled] = 1
     lens[sampling] = np.maximum(lens[sampling], num_logits)
-    if not lens.any():  # one row all the same: no kernel is ever given an empty batch
+    if not lens.any():  # keep one row anyway: no kernel is ever given an empty batch
         lens[-1] = 1
     return lens
 
