@@ -38,10 +38,20 @@ class DraftModelProposer:
         self.draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its pending drafts
 
     # -------------------------------------------------------------------- step
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> None:
-        """Fill the draft's KV for this step's tokens (the target's metadata: same slots)."""
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata,
+        output_rows: torch.Tensor | None = None,
+    ) -> None:
+        """Fill the draft's KV for this step's tokens (the target's metadata: same slots). Its
+        outputs are not used: its last layer computes the target's output rows alone, if any."""
+        kwargs = {}
+        if output_rows is not None and getattr(self.model, "supports_output_rows", False):
+            kwargs["output_rows"] = output_rows
         with set_forward_context(attn_metadata):
-            self.model(input_ids, positions)
+            self.model(input_ids, positions, **kwargs)
 
     def propose(
         self,

@@ -148,15 +148,18 @@ class ModelRunner:
         plan = None
         if not kwargs and isinstance(lora, nullcontext) and self.proposer is None:
             plan = self._decode_plan(input_ids.shape[0], attn_metadata)
+        output_rows = None
+        if inputs.output_rows is not None:
+            output_rows = torch.from_numpy(inputs.output_rows).to(device)
         if plan is not None:  # every query one row: no output rows selected (step_inputs.py)
             hidden_states = plan.run(input_ids, positions, attn_metadata)
         else:
-            if inputs.output_rows is not None:
-                kwargs["output_rows"] = torch.from_numpy(inputs.output_rows).to(device)
+            if output_rows is not None:
+                kwargs["output_rows"] = output_rows
             with set_forward_context(attn_metadata), lora:
                 hidden_states = self.model(input_ids, positions, **kwargs)
         if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.prefill(input_ids, positions, attn_metadata)
+            self.proposer.prefill(input_ids, positions, attn_metadata, output_rows)
 
         self._prompt_logprobs(inputs, hidden_states, output)
         if self.is_driver:
