@@ -89,6 +89,34 @@ def test_mixed_batch_of_three_adapters_and_base(
     assert llm.llm_engine.list_loras() == {1, 2, 3}
 
 
+def test_steps_without_adapters_select_output_rows(
+    tiny_qwen2, qwen2_adapters, tmp_path_factory, monkeypatch
+) -> None:
+    """With LoRA enabled, a step whose requests use no adapter computes the last layer for
+    its output rows only; a step with one computes every row. Both match transformers."""
+    import pagedlm.worker.model_runner as model_runner
+
+    selected = []
+    original = model_runner.build_step_inputs
+
+    def spy(*args, **kwargs):
+        inputs = original(*args, **kwargs)
+        selected.append(inputs.output_rows is not None)
+        return inputs
+
+    monkeypatch.setattr(model_runner, "build_step_inputs", spy)
+    a1 = qwen2_adapters["a1"]
+    llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, enable_lora=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    prompts = random_prompts([9, 30, 17], seed=5)
+    for adapter in (None, a1):
+        selected.clear()
+        lora = LoRARequest("a1", 1, str(a1)) if adapter else None
+        outputs = generate(llm, prompts, [lora] * len(prompts), params)
+        check_outputs(outputs, prompts, [adapter] * len(prompts), tiny_qwen2, tmp_path_factory)
+        assert selected[0] is (adapter is None) and not any(selected[1:])  # decodes: whole
+
+
 def test_lru_eviction_one_slot_two_cached_with_preemption(
     tiny_qwen2, qwen2_adapters, tmp_path_factory
 ) -> None:
