@@ -139,10 +139,14 @@ def test_preempted_request_sends_its_prompt_logprobs_once(tiny_qwen2) -> None:
             )
 
 
-def test_last_layer_on_output_rows_only_matches_every_row(tiny_qwen2, monkeypatch) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_last_layer_on_output_rows_only_matches_every_row(
+    tiny_qwen2, monkeypatch, kv_cache_dtype
+) -> None:
     """The last layer computing only the rows a step uses (sampled rows, prompt-logprob rows)
     gives the tokens and logprobs of computing every row: chunks of 1-7 tokens that do not
-    sample, prompts scored whole next to prompts sampled, decodes in the same steps."""
+    sample, prompts scored whole next to prompts sampled, decodes in the same steps; with an
+    fp8 cache too (the output rows read what the cache holds, as every row does)."""
     from pagedlm.models.llama import LlamaForCausalLM
 
     prompts = _prompts(8)
@@ -158,7 +162,13 @@ def test_last_layer_on_output_rows_only_matches_every_row(tiny_qwen2, monkeypatc
     ]
 
     def generate():
-        llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, max_num_batched_tokens=23)
+        llm = LLM(
+            str(tiny_qwen2),
+            dtype="float32",
+            max_model_len=128,
+            max_num_batched_tokens=23,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         runner = llm.llm_engine.model_executor.driver_worker.model_runner
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return runner._select_outputs, outs
