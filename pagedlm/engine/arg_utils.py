@@ -275,13 +275,15 @@ class EngineArgs:
         from pagedlm.models.registry import ModelRegistry
 
         archs = getattr(hf_config, "architectures", None) or [""]
-        _, runner, pooling_task = ModelRegistry.resolve_model_cls(
+        model_cls, runner, pooling_task = ModelRegistry.resolve_model_cls(
             archs[0], self.runner, self.convert
         )
         pooling = runner == "pooling"
-        # Pooling requests are computed whole in one step (encoders attend bidirectionally).
-        chunked = not pooling and self.enable_chunked_prefill is not False
-        prefix_caching = not pooling and self.enable_prefix_caching is not False
+        # Pooling requests are computed whole in one step (encoders attend bidirectionally,
+        # MEAN / CLS pooling reads every row), except a causal decoder's LAST pooling (as vLLM)
+        whole_prompts = pooling and not getattr(model_cls, "supports_chunked_pooling", False)
+        chunked = not whole_prompts and self.enable_chunked_prefill is not False
+        prefix_caching = not whole_prompts and self.enable_prefix_caching is not False
         max_batched = self.max_num_batched_tokens or 4096
         if not chunked:
             max_batched = max(max_batched, max_model_len)

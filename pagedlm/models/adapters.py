@@ -3,7 +3,8 @@
 `as_embedding_model(LlamaForCausalLM)` embeds with the last token's final hidden state
 (normalized), as Qwen3-Embedding-style models do; `as_seq_cls_model(...)` applies the
 checkpoint's `score` head to the last token (Qwen2/Llama ForSequenceClassification). Both pool
-the LAST row, so their last layer computes that row alone (`output_rows`, step_inputs.py).
+the LAST row, so their prompts may be chunked and prefix-cached (as vLLM's causal LAST
+poolers) and their last layer computes that row alone (`output_rows`, step_inputs.py).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]], keep: tuple[
 
 
 class _PooledDecoder(nn.Module):
-    """A causal decoder's `model` (its final hidden states) under a pooler."""
+    """A causal decoder's `model` (its final hidden states) under a LAST pooler."""
 
     model: nn.Module
+    # a prompt's last row sees all of it: prompts may be chunked and start from cached blocks
+    supports_chunked_pooling = True
 
     def forward(
         self,

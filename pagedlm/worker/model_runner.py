@@ -315,13 +315,14 @@ class ModelRunner:
                 output.spec_token_ids[state.req_id] = drafts
 
     def _pool(self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput):
-        """Pooling requests are computed whole in one step: pool their output rows (every
-        row, or the last one alone for a pooler that reads no other)."""
+        """Pool each prompt in the step that ends it: every row (its prompt is computed whole
+        in one step), or for a LAST pooler the last row alone (its prompt may come in chunks)."""
         for state in inputs.states:
             if state.pooling_params is None:
                 continue
             start, num_rows, position = inputs.output_spans[state.req_id]
-            assert position + num_rows == state.num_tokens, "a pooled prompt ends in its step"
+            if position + num_rows < state.num_tokens:
+                continue  # a chunk that does not end the prompt
             assert position == 0 or self._pool_last_row, "the pooler reads every row"
             rows = hidden_states[start : start + num_rows]
             output.pooler_output[state.req_id] = (

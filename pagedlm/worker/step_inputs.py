@@ -6,13 +6,13 @@ speculative drafts it needs the logits of its last `num_logits[i]` = drafts + 1 
 `logits_indices` lists, request after request, `num_logits[i]` consecutive rows of the model's
 output for request `sampling_rows[i]` of the persistent batch.
 
-Output rows: the rows whose hidden states the step uses, per request a suffix of its query
-(the sampled rows; every row for prompt logprobs, and for pooling unless the pooler reads the
-prompt's last row only; none for a prompt chunk that neither samples nor scores; a step that
-would use none keeps its last row). With `select_outputs`, a step with a query of several rows
-that uses fewer rows than it computes has the model's last layer compute only those
-(`output_rows`), and `logits_indices` and `output_spans` index the model's output rows;
-otherwise they index token rows.
+Output rows: the rows whose hidden states the step uses, per request a suffix of its query (the
+sampled rows; every row for prompt logprobs and for pooling, except that a LAST pooler reads
+the prompt's last row alone, in the step that ends the prompt; none for a prompt chunk that
+neither samples, scores nor pools; a step that would use none keeps its last row). With
+`select_outputs`, a step with a query of several rows that uses fewer rows than it computes has
+the model's last layer compute only those (`output_rows`), and `logits_indices` and
+`output_spans` index the model's output rows; otherwise they index token rows.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def _output_lens(
     query_lens: np.ndarray,
     sampling: np.ndarray,
     num_logits: np.ndarray,
+    ends_prompt: np.ndarray,
     pool_last_row: bool,
 ) -> np.ndarray:
     """Per request, how many trailing query rows the step uses (see the module docstring)."""
@@ -67,8 +68,8 @@ def _output_lens(
         len(states),
     )
     lens = np.where(scored | pooled, query_lens, 0)
-    if pool_last_row:  # pooling requests are computed whole in one step
-        lens[pooled] = 1
+    if pool_last_row:  # the step that ends a prompt pools its last row; other chunks none
+        lens[pooled] = ends_prompt[pooled]
     lens[sampling] = np.maximum(lens[sampling], num_logits)
     if not lens.any():  # keep one row anyway: no kernel is ever given an empty batch
         lens[-1] = 1
@@ -112,14 +113,17 @@ def build_step_inputs(
     # A request samples when this step reaches its last token (not pooling requests); any
     # positions past it hold draft tokens to verify.
     num_drafts = seq_lens - batch.num_tokens[rows]
-    sampling = (num_drafts >= 0) & np.fromiter(
+    ends_prompt = num_drafts >= 0
+    sampling = ends_prompt & np.fromiter(
         (s.sampling_params is not None for s in states), dtype=bool, count=num_reqs
     )
     num_logits = num_drafts[sampling] + 1
     output_rows = output_lens = None
     output_ends, num_outputs = query_start_loc[1:], query_lens
     if select_outputs and num_tokens > num_reqs:  # not when every query is one row
-        output_lens = _output_lens(states, query_lens, sampling, num_logits, pool_last_row)
+        output_lens = _output_lens(
+            states, query_lens, sampling, num_logits, ends_prompt, pool_last_row
+        )
         if int(output_lens.sum()) < num_tokens:
             output_rows = suffix_rows(output_ends, output_lens)
             output_ends, num_outputs = np.cumsum(output_lens), output_lens

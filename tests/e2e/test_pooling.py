@@ -180,3 +180,35 @@ def test_decoder_as_last_token_embedder(tiny_qwen2) -> None:
             last = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
         want = F.normalize(last, dim=-1)
         assert torch.tensor(out.outputs.embedding) == pytest.approx(want, abs=1e-4)
+
+
+def test_decoder_embedder_chunks_prompts_and_reuses_cached_prefixes(tiny_qwen2) -> None:
+    """A causal decoder with LAST pooling takes its prompts in chunks of the token budget and
+    from prefix-cached blocks (as vLLM), and pools only in the step that ends each prompt: the
+    embeddings equal transformers' whatever the chunking or cache hits."""
+    from transformers import AutoModel
+
+    llm = LLM(
+        str(tiny_qwen2),
+        runner="pooling",
+        dtype="float32",
+        max_model_len=64,
+        max_num_batched_tokens=8,
+        block_size=4,
+    )
+    config = llm.llm_engine.vllm_config
+    assert config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.max_num_batched_tokens == 8
+    assert config.cache_config.enable_prefix_caching
+    shared = list(range(20, 40))
+    prompts = [shared + [41, 42, 43], [5, 6, 7], shared + [44, 45]]
+    first = llm.embed([{"prompt_token_ids": p} for p in prompts[:2]], use_tqdm=False)
+    again = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    assert first[0].num_cached_tokens == 0
+    assert again[0].num_cached_tokens >= 20 and again[2].num_cached_tokens >= 16
+    hf = AutoModel.from_pretrained(tiny_qwen2).eval()
+    for prompt, out in zip(prompts + prompts[:2], again + first):
+        with torch.no_grad():
+            last = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
+        want = F.normalize(last, dim=-1)
+        assert torch.tensor(out.outputs.embedding) == pytest.approx(want, abs=1e-4)

@@ -309,26 +309,27 @@ def test_build_step_inputs_selects_output_rows() -> None:
 
 
 def test_build_step_inputs_pools_last_rows_only_when_the_pooler_reads_no_other() -> None:
-    """Pooling requests (whole prompts) output every row, or with `pool_last_row` their last
-    one; the spans say where each request's output rows are and whose positions they hold."""
+    """Pooling requests (whole prompts) output every row, or with `pool_last_row` the last
+    one of a step that ends the prompt (c: a first chunk, none); the spans say where each
+    request's output rows are and whose positions they hold."""
     batch = _batch()
-    reqs = [_new("a", 6, [7, 2], 0), _new("b", 3, [3], 0)]
+    reqs = [_new("a", 6, [7, 2], 0), _new("b", 3, [3], 0), _new("c", 9, [1, 4, 5], 0)]
     for r in reqs:
         r.sampling_params, r.pooling_params = None, PoolingParams()
     so = SchedulerOutput(
         scheduled_new_reqs=reqs,
-        scheduled_req_ids=["a", "b"],
-        num_scheduled_tokens={"a": 6, "b": 3},
-        num_computed_tokens={"a": 0, "b": 0},
+        scheduled_req_ids=["a", "b", "c"],
+        num_scheduled_tokens={"a": 6, "b": 3, "c": 4},
+        num_computed_tokens={"a": 0, "b": 0, "c": 0},
     )
     batch.apply(so)
     every_row = build_step_inputs(batch, so, 4, select_outputs=True)
     last = build_step_inputs(batch, so, 4, select_outputs=True, pool_last_row=True)
     assert every_row.output_rows is None
-    assert every_row.output_spans == {"a": (0, 6, 0), "b": (6, 3, 0)}
+    assert every_row.output_spans == {"a": (0, 6, 0), "b": (6, 3, 0), "c": (9, 4, 0)}
     assert last.output_rows.tolist() == [5, 8]
-    assert last.attn.output_query_lens.tolist() == [1, 1]
-    assert last.output_spans == {"a": (0, 1, 5), "b": (1, 1, 2)}
+    assert last.attn.output_query_lens.tolist() == [1, 1, 0]
+    assert last.output_spans == {"a": (0, 1, 5), "b": (1, 1, 2), "c": (2, 0, 4)}
     assert last.logits_indices.tolist() == []
 
 
