@@ -286,6 +286,17 @@ class EngineArgs:
         prefix_caching = not whole_prompts and self.enable_prefix_caching is not False
         max_batched = self.max_num_batched_tokens or 4096
         if not chunked:
+            if max_batched < max_model_len and self.max_num_batched_tokens is not None:
+                why = (
+                    "this model takes each prompt whole"
+                    if whole_prompts
+                    else "chunked prefill is off"
+                )
+                raise ValueError(
+                    f"max_num_batched_tokens={max_batched} is smaller than max_model_len="
+                    f"{max_model_len} and {why}, so a longer prompt could never be scheduled. "
+                    "Raise max_num_batched_tokens or lower max_model_len."
+                )
             max_batched = max(max_batched, max_model_len)
         model_config = ModelConfig(
             model=self.model,

@@ -212,3 +212,16 @@ def test_decoder_embedder_chunks_prompts_and_reuses_cached_prefixes(tiny_qwen2) 
             last = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
         want = F.normalize(last, dim=-1)
         assert torch.tensor(out.outputs.embedding) == pytest.approx(want, abs=1e-4)
+
+
+def test_a_budget_below_max_model_len_is_refused_where_prompts_come_whole(
+    minilm_dir, tiny_qwen2
+) -> None:
+    """As vLLM: without chunked prefill a prompt longer than the token budget could never be
+    scheduled, so an explicit smaller budget is refused by name rather than raised silently."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens=64 .* takes each prompt whole"):
+        LLM(minilm_dir, runner="pooling", max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 .* chunked prefill is off"):
+        LLM(str(tiny_qwen2), enable_chunked_prefill=False, max_num_batched_tokens=8)
+    llm = LLM(minilm_dir, runner="pooling", max_model_len=64, max_num_batched_tokens=64)
+    assert llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == 64
