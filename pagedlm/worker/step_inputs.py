@@ -54,7 +54,7 @@ def _output_lens(
     query_lens: np.ndarray,
     sampling: np.ndarray,
     num_logits: np.ndarray,
-    ends_prompt: np.ndarray,
+    reaches_last_token: np.ndarray,
     pool_last_row: bool,
 ) -> np.ndarray:
     """Per request, how many trailing query rows the step uses (see the module docstring)."""
@@ -68,8 +68,8 @@ def _output_lens(
         len(states),
     )
     lens = np.where(scored | pooled, query_lens, 0)
-    if pool_last_row:  # the step that ends a prompt pools its last row; other chunks none
-        lens[pooled] = ends_prompt[pooled]
+    if pool_last_row:  # the step that ends a prompt pools its last row; earlier chunks none
+        lens[pooled] = reaches_last_token[pooled]
     lens[sampling] = np.maximum(lens[sampling], num_logits)
     if not lens.any():  # keep one row anyway: no kernel is ever given an empty batch
         lens[-1] = 1
@@ -113,8 +113,8 @@ def build_step_inputs(
     # A request samples when this step reaches its last token (not pooling requests); any
     # positions past it hold draft tokens to verify.
     num_drafts = seq_lens - batch.num_tokens[rows]
-    ends_prompt = num_drafts >= 0
-    sampling = ends_prompt & np.fromiter(
+    reaches_last_token = num_drafts >= 0
+    sampling = reaches_last_token & np.fromiter(
         (s.sampling_params is not None for s in states), dtype=bool, count=num_reqs
     )
     num_logits = num_drafts[sampling] + 1
@@ -122,7 +122,7 @@ def build_step_inputs(
     output_ends, num_outputs = query_start_loc[1:], query_lens
     if select_outputs and num_tokens > num_reqs:  # not when every query is one row
         output_lens = _output_lens(
-            states, query_lens, sampling, num_logits, ends_prompt, pool_last_row
+            states, query_lens, sampling, num_logits, reaches_last_token, pool_last_row
         )
         if int(output_lens.sum()) < num_tokens:
             output_rows = suffix_rows(output_ends, output_lens)
