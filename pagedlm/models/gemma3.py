@@ -181,7 +181,8 @@ class Gemma3ForCausalLM(nn.Module):
     model_cls = Gemma3Model  # as LlamaForCausalLM.model_cls: the pooling adapters build it
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
-    supports_output_rows = True  # as LlamaForCausalLM
+    supports_output_rows = LlamaForCausalLM.supports_output_rows
+    forward = LlamaForCausalLM.forward  # self.model(input_ids, positions, output_rows)
 
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
@@ -192,14 +193,6 @@ class Gemma3ForCausalLM(nn.Module):
         if self.tied:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, output_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden_states)
