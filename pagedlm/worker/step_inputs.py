@@ -52,13 +52,13 @@ def suffix_rows(ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def _output_lens(
     states: list[CachedRequestState],
     query_lens: np.ndarray,
+    pooled: np.ndarray,
     sampling: np.ndarray,
     num_logits: np.ndarray,
     reaches_last_token: np.ndarray,
     pool_last_row: bool,
 ) -> np.ndarray:
     """Per request, how many trailing query rows the step uses (see the module docstring)."""
-    pooled = np.fromiter((s.pooling_params is not None for s in states), bool, len(states))
     scored = np.fromiter(
         (
             s.sampling_params is not None and s.sampling_params.prompt_logprobs is not None
@@ -114,15 +114,15 @@ def build_step_inputs(
     # positions past it hold draft tokens to verify.
     num_drafts = seq_lens - batch.num_tokens[rows]
     reaches_last_token = num_drafts >= 0
-    sampling = reaches_last_token & np.fromiter(
-        (s.sampling_params is not None for s in states), dtype=bool, count=num_reqs
-    )
+    # a request is generated (it has sampling params) or pooled (it has pooling params instead)
+    pooled = np.fromiter((s.sampling_params is None for s in states), dtype=bool, count=num_reqs)
+    sampling = reaches_last_token & ~pooled
     num_logits = num_drafts[sampling] + 1
     output_rows = output_lens = None
     output_ends, num_outputs = query_start_loc[1:], query_lens
     if select_outputs and num_tokens > num_reqs:  # not when every query is one row
         output_lens = _output_lens(
-            states, query_lens, sampling, num_logits, reaches_last_token, pool_last_row
+            states, query_lens, pooled, sampling, num_logits, reaches_last_token, pool_last_row
         )
         if int(output_lens.sum()) < num_tokens:
             output_rows = suffix_rows(output_ends, output_lens)
