@@ -78,8 +78,7 @@ class ModelRunner:
             self.lora_manager = WorkerLoRAManager(
                 self.model, vllm_config.lora_config, self.model_config.dtype, device
             )
-        # the last layer computes only the rows a step uses (step_inputs.py); not in a step
-        # with LoRA adapters, whose per-token mapping covers every row
+        # the last layer computes only the rows a step uses (step_inputs.py)
         self._select_outputs = getattr(self.model, "supports_output_rows", False)
         pooler = getattr(self.model, "pooler", None)
         self._pool_last_row = getattr(pooler, "pooling_type", None) == "LAST"
@@ -123,12 +122,12 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled_req_ids:
             return output
-        select = self._select_outputs
-        if select and self.lora_manager is not None:
-            batch = self.input_batch
-            select = not batch.lora_id[batch.rows_of(scheduler_output.scheduled_req_ids)].any()
         inputs = build_step_inputs(
-            self.input_batch, scheduler_output, self.block_size, select, self._pool_last_row
+            self.input_batch,
+            scheduler_output,
+            self.block_size,
+            self._select_outputs,
+            self._pool_last_row,
         )
         device = self.device
         input_ids = torch.from_numpy(inputs.input_ids).to(device)

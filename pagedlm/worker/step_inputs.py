@@ -10,9 +10,10 @@ Output rows: the rows whose hidden states the step uses, per request a suffix of
 sampled rows; every row for prompt logprobs and for pooling, except that a LAST pooler reads
 the prompt's last row alone, in the step that ends the prompt; none for a prompt chunk that
 neither samples, scores nor pools; a step that would use none keeps its last row). With
-`select_outputs`, a step with a query of several rows that uses fewer rows than it computes has
-the model's last layer compute only those (`output_rows`), and `logits_indices` and
-`output_spans` index the model's output rows; otherwise they index token rows.
+`select_outputs`, a step without LoRA adapters, with a query of several rows that uses fewer
+rows than it computes has the model's last layer compute only those (`output_rows`), and
+`logits_indices` and `output_spans` index the model's output rows; otherwise they index token
+rows.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def build_step_inputs(
     select_outputs: bool = False,
     pool_last_row: bool = False,
 ) -> StepInputs:
-    """`select_outputs`: the model can compute its last layer for the output rows only;
+    """`select_outputs`: the model can compute its last layer for the output rows only (not
+    done in a step with LoRA adapters, whose per-token mapping covers every row);
     `pool_last_row`: its pooler reads each prompt's last row only."""
     num_sched = scheduler_output.num_scheduled_tokens
     req_ids = scheduler_output.scheduled_req_ids
@@ -120,7 +122,8 @@ def build_step_inputs(
     num_logits = num_drafts[sampling] + 1
     output_rows = output_lens = None
     output_ends, num_outputs = query_start_loc[1:], query_lens
-    if select_outputs and num_tokens > num_reqs:  # not when every query is one row
+    # not when every query is one row, nor with adapters
+    if select_outputs and num_tokens > num_reqs and not batch.lora_id[rows].any():
         output_lens = _output_lens(
             states, query_lens, pooled, sampling, num_logits, reaches_last_token, pool_last_row
         )
