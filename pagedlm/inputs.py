@@ -84,7 +84,13 @@ def prompt_to_seq(prompts: PromptType | bytes | Sequence[PromptType | bytes]) ->
     """
     if isinstance(prompts, dict | str | bytes) or _is_token_ids(prompts):
         return [prompts]
-    return list(prompts)  # type: ignore[arg-type]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(
+            "prompts must be a string, a list of token ids, a prompt dict ({'prompt': ...} or "
+            f"{{'prompt_token_ids': [...]}}), or a list of these; got {type(prompts).__name__} "
+            f"{prompts!r:.60}."
+        )
+    return list(prompts)
 
 
 def conversation_to_seq(conversations: Sequence[Any]) -> list[Any]:
@@ -100,3 +106,24 @@ def conversation_to_seq(conversations: Sequence[Any]) -> list[Any]:
     ):
         return [conversations]
     return list(conversations)
+
+
+def per_prompt(params: Any, kind: type | tuple[type, ...], n: int, name: str) -> list[Any]:
+    """One `kind` object per prompt: `params` itself n times, or a list of n of them."""
+    if isinstance(params, kind):
+        return [params] * n
+    if (
+        isinstance(params, Sequence)
+        and not isinstance(params, str | bytes)
+        and all(isinstance(p, kind) for p in params)
+    ):
+        if len(params) != n:
+            raise ValueError(
+                f"The lengths of prompts ({n}) and params ({len(params)}) must be the same."
+            )
+        return list(params)
+    kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+    raise TypeError(
+        f"{name} must be a {kinds} or a list of them (one per prompt), got "
+        f"{type(params).__name__} {params!r:.60}."
+    )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum, IntEnum
 from typing import Any, NoReturn, Protocol
@@ -39,6 +41,46 @@ _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
 MAX_LOGPROB_TOKEN_IDS = 128
 """Upper bound on ``len(SamplingParams.logprob_token_ids)``."""
+
+
+_INT_FIELDS = ("n", "top_k", "min_tokens", "routed_experts_prompt_start")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens")
+_LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")  # an int, None, or True (one)
+_FLOAT_FIELDS = (
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p",
+)  # fmt: skip
+_BOOL_FIELDS = (
+    "ignore_eos", "flat_logprobs", "detokenize", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "skip_clone",
+)  # fmt: skip
+_TOKEN_ID_LIST_FIELDS = ("stop_token_ids", "allowed_token_ids", "logprob_token_ids")
+
+
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (``True`` is no token id, seed or count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_list_of(value: Any, check: Any) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str | bytes)
+        and all(check(item) for item in value)
+    )
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _wrong_type(name: str, accepted: str, value: Any) -> NoReturn:
+    raise TypeError(
+        f"SamplingParams.{name} must be {accepted}, got {type(value).__name__} {value!r:.80}."
+    )
 
 
 class _Tokenizer(Protocol):
@@ -175,6 +217,10 @@ class SamplingParams:
         return SamplingParams(**kwargs)
 
     def __post_init__(self) -> None:
+        for name, default in _OPTIONAL_DEFAULTS.items():  # None means the default, as in vLLM
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        self.check_types()
         if 0 < self.temperature < _MAX_TEMP:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors nan or inf in "
@@ -222,6 +268,57 @@ class SamplingParams:
         if self.skip_reading_prefix_cache is None:
             # Prefix-cache hits would skip the prompt positions whose logprobs were requested.
             self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+
+    def check_types(self) -> None:
+        """Raise TypeError naming the first field whose value has a type it does not accept;
+        integral values (numpy's too) become ``int`` and real ones ``float``."""
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS + _LOGPROBS_FIELDS:
+            value = getattr(self, name)
+            if value is None and name not in _INT_FIELDS:
+                continue
+            if value is True and name in _LOGPROBS_FIELDS:
+                continue
+            if not _is_int(value):
+                accepted = "an int" if name in _INT_FIELDS else "an int or None"
+                _wrong_type(name, accepted, value)
+            setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not _is_real(value):
+                _wrong_type(name, "a number", value)
+            setattr(self, name, float(value))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                _wrong_type(name, "True or False", getattr(self, name))
+        for name in _TOKEN_ID_LIST_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _is_list_of(value, _is_int):
+                _wrong_type(name, "a list of int token ids or None", value)
+        stop = self.stop
+        if not (stop is None or isinstance(stop, str) or _is_list_of(stop, _is_str)):
+            _wrong_type("stop", "a string, a list of strings or None", stop)
+        if not (self.bad_words is None or _is_list_of(self.bad_words, _is_str)):
+            _wrong_type("bad_words", "a list of strings or None", self.bad_words)
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(_is_int(k) for k in bias):
+                _wrong_type("logit_bias", "a dict of int token id -> number, or None", bias)
+            if not all(_is_real(v) and math.isfinite(v) for v in bias.values()):
+                raise VLLMValidationError(
+                    "logit_bias values must be finite numbers.", parameter="logit_bias", value=bias
+                )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            _wrong_type("output_kind", "a RequestOutputKind", self.output_kind)
+        optional_types: dict[str, type] = {
+            "structured_outputs": StructuredOutputsParams,
+            "repetition_detection": RepetitionDetectionParams,
+            "extra_args": dict,
+            "skip_reading_prefix_cache": bool,
+        }
+        for name, kind in optional_types.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                _wrong_type(name, f"a {kind.__name__} or None", value)
 
     def _reject(self, name: str, message: str, value: Any = None) -> NoReturn:
         """Raise VLLMValidationError for field ``name`` (``value`` defaults to the field's)."""

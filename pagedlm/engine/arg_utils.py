@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 import typing
@@ -118,6 +119,13 @@ def _parse_size(value: str) -> int:
     return int(number * scale[unit])
 
 
+_POSITIVE_INT_FIELDS = (
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+    "tensor_parallel_size", "num_gpu_blocks_override", "kv_cache_memory_bytes", "max_logprobs",
+)  # fmt: skip
+"""Sizes given as ints of at least 1 (None: derived); max_logprobs also takes 0 and -1."""
+
+
 @dataclass
 class EngineArgs:
     """Engine options with vLLM's names and (CPU) defaults."""
@@ -190,10 +198,23 @@ class EngineArgs:
                     f"{name}={getattr(self, name)!r} is not supported by pagedlm (accepted: "
                     f"{', '.join(map(repr, allowed))}). {_HELP[name] if name in _HELP else ''}"
                 )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if not isinstance(self.model, str) or not self.model:
+            raise TypeError(
+                "model must be a Hugging Face directory, a .gguf file, a packaged model name or "
+                f"a hub id (a non-empty string), got {self.model!r:.60}."
             )
+        for name in _POSITIVE_INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name not in ("tensor_parallel_size", "max_logprobs"):
+                continue  # None: derived from the model or the machine
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+            if value < 1 and not (name == "max_logprobs" and value in (0, -1)):
+                raise ValueError(
+                    f"{name} must be at least 1, got {value}. {_HELP.get(name, '')}".rstrip()
+                )
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.convert not in ("auto", "none", "embed", "classify"):
             raise ValueError(

@@ -6,6 +6,7 @@ that do not fit `max_model_len`, invalid sampling parameters.
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,19 @@ class EngineCoreRequest:
     pooling_params: Any = None
     token_type_ids: list[int] | None = None
     lora_request: Any = None  # LoRARequest, checked by the engine
+
+
+def _check_token_ids(token_ids: Any) -> list[int]:
+    """The prompt's token ids as a list of ints; TypeError for anything else (a float or a
+    bool is no token id)."""
+    if not isinstance(token_ids, list | tuple):
+        raise TypeError(f"prompt_token_ids must be a list of ints, got {type(token_ids).__name__}.")
+    for i, t in enumerate(token_ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(
+                f"prompt token ids must be ints, got {type(t).__name__} {t!r:.20} at position {i}."
+            )
+    return [int(t) for t in token_ids]
 
 
 class InputProcessor:
@@ -64,7 +78,8 @@ class InputProcessor:
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), cache_salt
+                token_ids = _check_token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), token_ids, cache_salt
             if "prompt_embeds" in prompt:
                 raise NotImplementedError("prompt_embeds prompts are not supported by pagedlm.")
             if "prompt" not in prompt:
@@ -72,10 +87,13 @@ class InputProcessor:
                     f"A prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}"
                 )
             prompt = prompt["prompt"]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt), cache_salt
+        if isinstance(prompt, list | tuple):
+            return None, _check_token_ids(prompt), cache_salt
         if not isinstance(prompt, str):
-            raise TypeError(f"Unsupported prompt type {type(prompt).__name__}: {prompt!r:.80}")
+            raise TypeError(
+                "A prompt must be a string, a list of token ids or a prompt dict, got "
+                f"{type(prompt).__name__}: {prompt!r:.80}"
+            )
         if self.tokenizer is None:
             raise ValueError(
                 "Text prompts are not allowed when `skip_tokenizer_init=True`; pass "
@@ -95,18 +113,21 @@ class InputProcessor:
         if bad is not None:
             raise ValueError(f"Token id {bad} is out of vocabulary")
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> None:
+        """A non-empty in-vocabulary prompt shorter than max_model_len (`max_tokens`, the
+        requested output tokens, only goes into the message)."""
         if not prompt_token_ids:
             raise ValueError("The decoder prompt cannot be empty")
         self.validate_prompt_vocab(prompt_token_ids)
         max_len = self.model_config.max_model_len
         n = len(prompt_token_ids)
         if n > max_len:
+            out = max_tokens or 0
             raise VLLMValidationError(
                 f"This model's maximum context length is {max_len} tokens. However, you "
-                f"requested 0 output tokens and your prompt contains {n} input tokens, for a "
-                f"total of {n} tokens. Please reduce the length of the input prompt or the "
-                "number of requested output tokens.",
+                f"requested {out} output tokens and your prompt contains {n} input tokens, for "
+                f"a total of {n + out} tokens. Please reduce the length of the input prompt or "
+                "the number of requested output tokens.",
                 parameter="prompt",
                 value=n,
             )
@@ -127,8 +148,12 @@ class InputProcessor:
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> EngineCoreRequest:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}."
+            )
         text, token_ids, cache_salt = self.tokenize_prompt(prompt, tokenization_kwargs)
-        self.validate_prompt(token_ids)
+        self.validate_prompt(token_ids, params.max_tokens)
         params = self.prepare_sampling_params(params, len(token_ids))
         return EngineCoreRequest(
             request_id=request_id,
@@ -205,6 +230,8 @@ class InputProcessor:
     def prepare_sampling_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}")
+        params.check_types()  # again: fields may have been set after construction
+        params._verify_args()
         if params.seed is not None and not -(2**63) <= params.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {params.seed}.")
         params.verify(

@@ -151,6 +151,13 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         """Validate and queue one request; returns its internal id (external + random suffix)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id)}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__} {priority!r}.")
+        if priority != 0 and self.vllm_config.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but Priority scheduling is not enabled. Pass "
+                "scheduling_policy='priority' to the engine."
+            )
         lora_request = self.check_lora_request(lora_request)
         if request_id in self.output_processor.external_to_internal:
             raise ValueError(f"Request id {request_id} is already in use by a running request.")

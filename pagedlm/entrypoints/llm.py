@@ -20,8 +20,9 @@ from pagedlm.entrypoints.beam_search import BeamSearchMixin
 from pagedlm.entrypoints.chat_utils import render_conversations
 from pagedlm.entrypoints.control import ControlMixin
 from pagedlm.entrypoints.pooling import PoolingMixin
-from pagedlm.inputs import prompt_to_seq
+from pagedlm.inputs import per_prompt, prompt_to_seq
 from pagedlm.outputs import PoolingRequestOutput, RequestOutput
+from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -270,18 +271,14 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         n = len(prompt_list)
         if params is None:
             params = self.get_default_sampling_params()
-        if isinstance(params, Sequence):
-            if len(params) != n:
+        param_list = per_prompt(params, (SamplingParams, PoolingParams), n, "params")
+        if priority is not None:
+            if not isinstance(priority, Sequence) or isinstance(priority, str):
+                raise TypeError(f"priority must be a list of ints, got {type(priority).__name__}.")
+            if len(priority) != n:
                 raise ValueError(
-                    f"The lengths of prompts ({n}) and params ({len(params)}) must be the same."
+                    f"The lengths of prompts ({n}) and priority ({len(priority)}) must be the same."
                 )
-            param_list = list(params)
-        else:
-            param_list = [params] * n
-        if priority is not None and len(priority) != n:
-            raise ValueError(
-                f"The lengths of prompts ({n}) and priority ({len(priority)}) must be the same."
-            )
         if isinstance(lora_request, Sequence):
             if len(lora_request) != n:
                 raise ValueError(

@@ -120,9 +120,9 @@ def _check_unsupported(body: dict[str, Any]) -> None:
             raise RequestError(f"{why} (got '{name}': {_describe(body[name])}).")
 
 
-def _validate_prompt(ctx: ServingContext, token_ids: list[int]) -> None:
+def _validate_prompt(ctx: ServingContext, token_ids: list[int], max_tokens: int | None) -> None:
     try:
-        ctx.engine.input_processor.validate_prompt(token_ids)
+        ctx.engine.input_processor.validate_prompt(token_ids, max_tokens)
     except ValueError as e:
         raise RequestError(str(e)) from e
 
@@ -226,7 +226,6 @@ def prepare_chat(body: dict[str, Any], ctx: ServingContext) -> PreparedRequest:
     except Exception as e:  # bad messages, or the template rejects the conversation
         raise RequestError(f"Cannot apply the chat template: {e}") from e
     prompt_len = len(prompt["prompt_token_ids"])
-    _validate_prompt(ctx, prompt["prompt_token_ids"])
     logprobs = _field(body, "logprobs", "bool")
     top_logprobs = _field(body, "top_logprobs", "int")
     if top_logprobs is not None and not logprobs:
@@ -235,6 +234,7 @@ def prepare_chat(body: dict[str, Any], ctx: ServingContext) -> PreparedRequest:
     requested = _field(body, "max_completion_tokens", "int")
     if requested is None:
         requested = _field(body, "max_tokens", "int")
+    _validate_prompt(ctx, prompt["prompt_token_ids"], requested)
     params = _sampling_params(body, ctx, prompt_len, requested, None, num_logprobs)
     role = "assistant" if add_generation_prompt else str(messages[-1].get("role", "assistant"))
     return _prepared(body, ctx, prompt, params, role, num_logprobs)
@@ -264,9 +264,9 @@ def prepare_completion(body: dict[str, Any], ctx: ServingContext) -> PreparedReq
         raise RequestError(
             f"'prompt' must be a string or a list of token ids, got {_describe(prompt)}."
         )
-    _validate_prompt(ctx, token_ids)
     num_logprobs = _field(body, "logprobs", "int")
     requested = _field(body, "max_tokens", "int")
+    _validate_prompt(ctx, token_ids, requested)
     params = _sampling_params(body, ctx, len(token_ids), requested, 16, num_logprobs)
     prompt_dict = TokensPrompt(prompt_token_ids=token_ids)
     if text is not None:
