@@ -84,6 +84,19 @@ _VARS = [
         float,
         "Seconds the multiprocess executor waits for its workers to load the model.",
     ),
+    EnvVar(
+        "PAGEDLM_RANK_FAILURE_GRACE",
+        5.0,
+        float,
+        "Seconds the other ranks get to answer after one rank's call failed; ranks still "
+        "waiting then (inside a collective, for the failed one) are stopped.",
+    ),
+    EnvVar(
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",
+        False,
+        _flag,
+        "1: collective_rpc / apply_model may send callables (pickled code) to worker processes.",
+    ),
 ]
 _VARS += [
     EnvVar(

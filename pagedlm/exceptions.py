@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -37,3 +39,15 @@ class EngineDeadError(RuntimeError):
 
 class EngineGenerateError(RuntimeError):
     """A single request failed; the engine keeps running (vLLM's name)."""
+
+
+@contextmanager
+def blame_request(request_id: str) -> Iterator[None]:
+    """An exception raised inside is noted as caused by `request_id` (`failed_request_ids`,
+    which survives pickling): a failed step then fails that request alone."""
+    try:
+        yield
+    except Exception as e:
+        if getattr(e, "failed_request_ids", None) is None:
+            e.failed_request_ids = [request_id]  # type: ignore[attr-defined]
+        raise

@@ -184,9 +184,10 @@ STREAM_FINISHED = RequestOutput(
 
 @dataclass(eq=False)
 class PoolingOutput:
-    """Raw pooled data (e.g. hidden states) of one request."""
+    """Raw pooled data (e.g. hidden states) of one request; None when the request failed in
+    a model step (the engine logged why)."""
 
-    data: torch.Tensor
+    data: torch.Tensor | None
 
     def __repr__(self) -> str:
         return f"PoolingOutput(data={self.data})"

@@ -1,7 +1,8 @@
 """What crosses the engine/worker boundary: plain data only, cheap to pickle.
 
 `SchedulerOutput` is a diff against what the workers already know: a request is sent whole
-once (`NewRequestData`), later only its new tokens and blocks (`CachedRequestData`). Workers
+once (`NewRequestData`; again after a failed step made the workers forget their requests),
+later only its new tokens and blocks (`CachedRequestData`). Workers
 keep each request's state until its id appears in `finished_req_ids`; a preempted request
 leaves the batch but keeps that state, and comes back with `resumed_from_preemption` and a
 new block list. No `Request`, KV manager or other live engine object is referenced.
@@ -32,6 +33,9 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit: positions [0, n) are already in the cache
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None  # a small dataclass; the worker loads it
+    # tokens generated so far: non-empty when the request is re-sent whole after the workers
+    # forgot their requests (a failed step)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

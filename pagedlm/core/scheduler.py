@@ -175,6 +175,7 @@ class Scheduler:
                 self.running.pop(victim_index)
                 if victim.request_id in out.num_scheduled_tokens:
                     budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
                     scheduled.remove(victim)
                 if victim_index < i:
                     i -= 1
@@ -229,6 +230,7 @@ class Scheduler:
                     num_computed_tokens=computed,
                     token_type_ids=request.token_type_ids,
                     lora_request=request.lora_request,
+                    output_token_ids=list(request.output_token_ids),
                 )
             )
             request.sent_to_workers = True
@@ -411,11 +413,29 @@ class Scheduler:
     # ------------------------------------------------------------- control
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         if reset_running_requests:
-            for request in reversed(self.running):
-                self._preempt(request)
-                self.preempted_outside_step.add(request.request_id)
-            self.running.clear()
+            self.preempted_outside_step |= self._preempt_running()
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def _preempt_running(self) -> set[str]:
+        """Preempt every running request (they keep their order at the front of the queue)."""
+        ids = {r.request_id for r in self.running}
+        for request in reversed(self.running):
+            self._preempt(request)
+        self.running.clear()
+        return ids
+
+    def recover_from_failed_step(self, failed_ids: list[str]) -> None:
+        """After a step that raised: `failed_ids` finish with an error; every other request is
+        recomputed and re-sent to the workers whole (they forget their requests, whose state
+        the failed step may have left half-updated); the prefix cache is invalidated, as the
+        step may have registered blocks it never wrote."""
+        self.finish_requests(failed_ids, RequestStatus.FINISHED_ERROR)
+        self._preempt_running()
+        self.preempted_outside_step = set()
+        for request in self.requests.values():
+            request.sent_to_workers = False
+            request.resumed_from_preemption = False
+        self.kv_cache_manager.invalidate_prefix_cache()
 
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()

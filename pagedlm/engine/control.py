@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pagedlm.core.request import RequestStatus
-
 logger = logging.getLogger(__name__)
 
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
@@ -106,9 +104,7 @@ class EngineControlMixin:
 
     def _settle_requests(self, mode: str) -> None:
         if mode == "abort":
-            ids = list(self.output_processor.request_states)
-            self.output_processor.abort_requests(ids)
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            self.abort_all_requests()  # type: ignore[attr-defined]
         elif mode == "wait":
             while self.has_unfinished_requests():  # type: ignore[attr-defined]
                 self._stashed_outputs += [o for o in self.step() if o.finished]  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ from typing import Any
 from pagedlm.config import VllmConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.control import EngineControlMixin
@@ -77,6 +78,8 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         # More loggers with `record(SchedulerStats, IterationStats)` (AsyncLLM's stat_loggers).
         self.extra_stat_loggers: list[Any] = []
         self._num_preemptions_logged = 0
+        self._step_in_flight: SchedulerOutput | None = None  # set while a step runs
+        self.last_step_error: str | None = None  # the cause of the last failed step
         self._init_control()
         self._init_lora()
         freeze_gc_heap()
@@ -257,6 +260,12 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         self.output_processor.abort_requests(internal_ids)
         self.scheduler.finish_requests(internal_ids, RequestStatus.FINISHED_ABORTED)
 
+    def abort_all_requests(self) -> None:
+        """Abort every unfinished request (none gets an output)."""
+        ids = list(self.output_processor.request_states)
+        self.output_processor.abort_requests(ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
@@ -266,6 +275,8 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         self.check_awake()
+        if self._step_in_flight is not None:  # interrupted (Ctrl-C) inside the last step
+            self._recover_from_failed_step([])
         if not self.scheduler.has_unfinished_requests():
             return []
         self.sync_weights_generation()
@@ -278,7 +289,12 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         scheduler_output.grammar_output = self.structured_output_manager.grammar_bitmask(
             self.scheduler.requests[rid] for rid in scheduler_output.scheduled_req_ids
         )
-        runner_output = self.model_executor.execute_model(scheduler_output)
+        self._step_in_flight = scheduler_output
+        try:
+            runner_output = self.model_executor.execute_model(scheduler_output)
+        except Exception as error:
+            return self._fail_step(scheduler_output, error)
+        self._step_in_flight = None
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         iteration_stats = IterationStats() if self.stat_logger is not None else None
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(
@@ -295,6 +311,37 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
                 running, waiting = self.lora_stats()
                 self.stat_logger.record_lora_info(running, waiting, self.lora_config.max_loras)
         return request_outputs
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[Any]:
+        """A step raised: the requests that caused it (all of the step's when the workers could
+        not tell) finish with finish_reason "error"; the engine goes on with the others."""
+        blamed = getattr(error, "failed_request_ids", None) or scheduler_output.scheduled_req_ids
+        failed = [rid for rid in blamed if rid in self.scheduler.requests]
+        states = self.output_processor.request_states
+        external = [states[rid].external_req_id if rid in states else rid for rid in failed]
+        logger.error(
+            "Request(s) %s failed in a model step and finish with finish_reason='error'; the "
+            "engine goes on with the others. Cause: %s: %s",
+            ", ".join(external),
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
+        self.last_step_error = f"{type(error).__name__}: {error}"
+        if self.model_executor.is_failed:  # the workers are gone: nothing to recover
+            raise error
+        self._recover_from_failed_step(failed)
+        outputs, _ = self.output_processor.process_outputs(
+            [EngineCoreOutput(rid, [], finish_reason="error") for rid in failed]
+        )
+        return outputs
+
+    def _recover_from_failed_step(self, failed_ids: list[str]) -> None:
+        """The workers forget their requests (the step may have left them half-applied) and
+        the scheduler re-sends every live one whole (`Scheduler.recover_from_failed_step`)."""
+        self._step_in_flight = None
+        self.scheduler.recover_from_failed_step(failed_ids)
+        self.model_executor.collective_rpc("reset_requests")
 
     def _scheduler_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.prefix_cache_stats.reset()

@@ -208,7 +208,8 @@ class OutputProcessor:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
             if state.pooling:
-                if out.pooling_output is not None:
+                if out.pooling_output is not None or out.finish_reason == "error":
+                    # an error (a failed step) comes out as an output without data
                     request_outputs.append(
                         PoolingRequestOutput(
                             state.external_req_id,

@@ -2,7 +2,9 @@
 
 Request ids are "0", "1", ... from a counter that keeps increasing across calls; outputs come
 back in input order. If adding any request of a call fails, the ones already added are aborted
-and the error is raised, so a failed call leaves nothing behind.
+and the error is raised, so a failed call leaves nothing behind; likewise an exception while
+the engine runs (Ctrl-C included) aborts every queued request before it propagates. A request
+that fails inside a step comes back finished with finish_reason "error" (the others go on).
 """
 
 from __future__ import annotations
@@ -357,6 +359,11 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
                         f"output: {total_out / elapsed:.2f} toks/s"
                     )
                     pbar.update(n)
+        except BaseException:
+            # Ctrl-C or an error: nothing of this run stays queued, so the next call works
+            # and returns only its own outputs
+            engine.abort_all_requests()
+            raise
         finally:
             if pbar is not None:
                 pbar.close()

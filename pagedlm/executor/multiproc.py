@@ -74,6 +74,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_callables_allowed(method: Any, args: tuple, kwargs: dict[str, Any] | None) -> None:
+    """Code sent to worker processes runs there unchecked: as in vLLM, a callable (the method
+    itself, or an argument such as apply_model's function) needs
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1. Methods called by name need nothing."""
+    values = [method, *args, *(kwargs or {}).values()]
+    if envs.VLLM_ALLOW_INSECURE_SERIALIZATION or not any(
+        callable(v) and not isinstance(v, str | type) for v in values
+    ):
+        return
+    raise ValueError(
+        "collective_rpc / apply_model with a callable sends pickled code to the worker "
+        "processes, which pagedlm (like vLLM) only does when you opt in: set "
+        "VLLM_ALLOW_INSECURE_SERIALIZATION=1, or call a Worker method by name."
+    )
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent exits (no orphaned workers)."""
     try:
@@ -185,6 +201,7 @@ class MultiprocExecutor(Executor):
     ) -> list[Any]:
         if self.is_failed:
             raise WorkerDiedError("A worker process died earlier; create a new LLM.")
+        check_callables_allowed(method, args, kwargs)
         self._drain()
         payload = cloudpickle.dumps((method, args, kwargs or {}))
         for rank, conn in enumerate(self.conns):
@@ -193,44 +210,72 @@ class MultiprocExecutor(Executor):
         return self._collect(method, timeout)
 
     def _collect(self, method: str | Callable[..., Any], timeout: float | None) -> list[Any]:
+        """Every rank's reply, waited for together: the first error is raised as soon as the
+        other ranks have answered, or once they have not within PAGEDLM_RANK_FAILURE_GRACE s
+        (they wait for the failed rank inside a collective: they are stopped, the engine is
+        done)."""
+        ranks = [r for r, n in enumerate(self._pending) if n > 0]  # all, but when draining
         deadline = None if timeout is None else time.monotonic() + timeout
-        results: list[Any] = []
+        replies: dict[int, tuple[str, Any]] = {}
         error: tuple[int, BaseException] | None = None
-        for rank in range(len(self.conns)):
-            status, value = self._recv(rank, deadline, method)
+        while len(replies) < len(ranks):
+            missing = [r for r in ranks if r not in replies]
+            rank, reply = self._recv_any(missing, deadline, method)
+            if rank is None:
+                if error is not None:
+                    self._abandon_stuck_ranks(error, len(missing))
+                raise TimeoutError(
+                    f"collective_rpc({method!r}) got no reply from worker ranks {missing} within "
+                    "the timeout"
+                )
+            replies[rank] = reply
+            status, value = reply
             if status == "error" and error is None:
                 exc, text = cloudpickle.loads(value)
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"Worker traceback:\n{text}")
-                error = (rank, exc)
-            results.append(value)
+                error = (rank, note_rank(exc, rank, method))
+                grace = time.monotonic() + envs.PAGEDLM_RANK_FAILURE_GRACE
+                deadline = grace if deadline is None else min(deadline, grace)
         if error is not None:
-            raise note_rank(error[1], error[0], method)
-        return results
+            raise error[1]
+        return [replies[rank][1] for rank in ranks]
 
-    def _recv(self, rank: int, deadline: float | None, method: Any) -> tuple[str, Any]:
-        """One reply of `rank`; meanwhile any worker's death raises WorkerDiedError."""
-        conn = self.conns[rank]
+    def _recv_any(
+        self, ranks: list[int], deadline: float | None, method: Any
+    ) -> tuple[int | None, tuple[str, Any]]:
+        """The next reply of any of `ranks` (None at the deadline); meanwhile any worker's
+        death raises WorkerDiedError."""
+        conns = {self.conns[r]: r for r in ranks}
         sentinels = {p.sentinel: r for r, p in enumerate(self.processes)}
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait([conn, *sentinels], timeout=remaining)
-            if conn in ready:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = wait([*conns, *sentinels], timeout=remaining)
+        for conn in ready:
+            if conn in conns:
+                rank = conns[conn]
                 try:
                     reply = cloudpickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    ready = [self.processes[rank].sentinel]
-                else:
-                    self._pending[rank] -= 1
-                    return reply
-            dead = [sentinels[s] for s in ready if s in sentinels]
-            if dead:
-                self._fail(dead[0], method)
-            if not ready:
-                raise TimeoutError(
-                    f"collective_rpc({method!r}) got no reply from worker rank {rank} within "
-                    "the timeout"
-                )
+                    self._fail(rank, method)
+                self._pending[rank] -= 1
+                return rank, reply
+        dead = [sentinels[s] for s in ready if s in sentinels]
+        if dead:
+            self._fail(dead[0], method)
+        return None, ("", None)
+
+    def _abandon_stuck_ranks(self, error: tuple[int, BaseException], num_stuck: int) -> None:
+        rank, exc = error
+        self.is_failed = True
+        self._pending = [0] * len(self.conns)
+        self.shutdown()
+        if hasattr(exc, "add_note"):
+            exc.add_note(
+                f"{num_stuck} other rank(s) did not answer within "
+                f"{envs.PAGEDLM_RANK_FAILURE_GRACE} s after rank {rank} failed (they wait for it "
+                "inside a collective), so the workers were stopped; create a new LLM."
+            )
+        raise exc
 
     def _fail(self, rank: int, method: Any) -> None:
         process = self.processes[rank]
@@ -244,9 +289,15 @@ class MultiprocExecutor(Executor):
 
     def _drain(self) -> None:
         """Discard replies left behind by an earlier call that timed out or was interrupted."""
-        for rank, pending in enumerate(self._pending):
-            for _ in range(pending):
-                self._recv(rank, None, "an earlier call")
+        while any(self._pending) and not self.is_failed:
+            try:
+                self._collect("an earlier call", None)
+            except WorkerDiedError:
+                raise
+            except Exception as e:  # that call's error was never delivered
+                logger.warning("An interrupted call failed on a worker: %s", e)
+        if self.is_failed:
+            raise WorkerDiedError("The workers were stopped after a failure; create a new LLM.")
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -7,7 +7,7 @@ its KV blocks. Sampling parameters are written into their arrays once, when a re
 so building a step's sampling metadata slices arrays instead of looping over requests;
 `lora_id[row]` is the row's LoRA adapter id (0: none), spread to the step's tokens.
 A request preempted by the scheduler leaves the batch but keeps its `CachedRequestState`
-(tokens, seeded generator) until it finishes.
+(tokens, seeded generator) until it finishes; so does every request after `reset_rows()`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.exceptions import blame_request
 from pagedlm.lora.request import LoRARequest
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
@@ -173,6 +174,13 @@ class InputBatch:
         self.req_ids.pop()
         self.states.pop()
 
+    def reset_rows(self) -> None:
+        """Empty the batch after a failed step; request states stay (generators, prompt
+        logprobs sent) for the requests that the scheduler sends again whole."""
+        self.req_ids.clear()
+        self.req_id_to_index.clear()
+        self.states.clear()
+
     # ---------------------------------------------------------------- diffs
     def apply(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's diff: drop finished and preempted rows, add new and resumed
@@ -185,18 +193,24 @@ class InputBatch:
             if req_id in self.req_id_to_index:
                 self.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            state = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=list(new.prompt_token_ids),
-                sampling_params=new.sampling_params,
-                pooling_params=new.pooling_params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                token_type_ids=new.token_type_ids,
-                lora_request=new.lora_request,
-            )
-            self.requests[new.req_id] = state
-            self.add_request(state)
+            with blame_request(new.req_id):
+                known = self.requests.get(new.req_id)  # re-sent whole after reset_rows()
+                state = CachedRequestState(
+                    req_id=new.req_id,
+                    prompt_token_ids=list(new.prompt_token_ids),
+                    sampling_params=new.sampling_params,
+                    pooling_params=new.pooling_params,
+                    block_ids=list(new.block_ids),
+                    num_computed_tokens=new.num_computed_tokens,
+                    token_type_ids=new.token_type_ids,
+                    lora_request=new.lora_request,
+                    output_token_ids=list(new.output_token_ids),
+                    generator=known.generator if known is not None else None,
+                )
+                if known is not None:
+                    state.num_prompt_logprobs_sent = known.num_prompt_logprobs_sent
+                self.requests[new.req_id] = state
+                self.add_request(state)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]

@@ -24,6 +24,7 @@ from pagedlm.config import VllmConfig
 from pagedlm.core.kv_cache_manager import cdiv
 from pagedlm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedlm.distributed import get_tp_group
+from pagedlm.exceptions import blame_request
 from pagedlm.forward_context import set_forward_context
 from pagedlm.layers.attention import (
     Attention,
@@ -114,6 +115,12 @@ class ModelRunner:
         self._plan_rows = None
         if isinstance(self.proposer, DraftModelProposer):
             allocate_kv_caches(self.proposer.attn_layers, num_blocks, block_size, dtype)
+
+    def reset_requests(self) -> None:
+        """Forget the batch after a failed step: the scheduler sends every request again whole."""
+        self.input_batch.reset_rows()
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.draft_probs.clear()
 
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
@@ -324,9 +331,9 @@ class ModelRunner:
                 continue  # a chunk that does not end the prompt
             assert position == 0 or self._pool_last_row, "the pooler reads every row"
             rows = hidden_states[start : start + num_rows]
-            output.pooler_output[state.req_id] = (
-                self.model.pooler(rows, state.pooling_params).float().cpu()
-            )
+            with blame_request(state.req_id):
+                pooled = self.model.pooler(rows, state.pooling_params)
+            output.pooler_output[state.req_id] = pooled.float().cpu()
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput
@@ -336,29 +343,42 @@ class ModelRunner:
             params = state.sampling_params
             if params is None or params.prompt_logprobs is None:
                 continue
-            row_start, num_rows, position = inputs.output_spans[state.req_id]
-            # a row at position p predicts prompt token p + 1; rows already sent are skipped
-            num_rows = min(num_rows, state.num_prompt_tokens - 1 - position)
-            skip = min(max(state.num_prompt_logprobs_sent - position, 0), max(num_rows, 0))
-            row_start, num_rows, position = row_start + skip, num_rows - skip, position + skip
-            if num_rows <= 0:
+            with blame_request(state.req_id):
+                self._prompt_logprobs_of(state, inputs, hidden_states, output)
+
+    def _prompt_logprobs_of(
+        self,
+        state: CachedRequestState,
+        inputs: StepInputs,
+        hidden_states: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """One request's prompt logprobs of this step (`_prompt_logprobs`)."""
+        params = state.sampling_params
+        assert params is not None
+        row_start, num_rows, position = inputs.output_spans[state.req_id]
+        # a row at position p predicts prompt token p + 1; rows already sent are skipped
+        num_rows = min(num_rows, state.num_prompt_tokens - 1 - position)
+        skip = min(max(state.num_prompt_logprobs_sent - position, 0), max(num_rows, 0))
+        row_start, num_rows, position = row_start + skip, num_rows - skip, position + skip
+        if num_rows <= 0:
+            return
+        state.num_prompt_logprobs_sent = position + num_rows
+        k = params.prompt_logprobs
+        targets = torch.tensor(
+            state.prompt_token_ids[position + 1 : position + 1 + num_rows],
+            device=hidden_states.device,
+        )
+        merged = LogprobsLists([], [], [])
+        for s in range(0, num_rows, _PROMPT_LOGPROBS_CHUNK):
+            e = min(num_rows, s + _PROMPT_LOGPROBS_CHUNK)
+            logits = self.model.compute_logits(hidden_states[row_start + s : row_start + e])
+            if logits is None:  # not the first tensor-parallel rank
                 continue
-            state.num_prompt_logprobs_sent = position + num_rows
-            k = params.prompt_logprobs
-            targets = torch.tensor(
-                state.prompt_token_ids[position + 1 : position + 1 + num_rows],
-                device=hidden_states.device,
-            )
-            merged = LogprobsLists([], [], [])
-            for s in range(0, num_rows, _PROMPT_LOGPROBS_CHUNK):
-                e = min(num_rows, s + _PROMPT_LOGPROBS_CHUNK)
-                logits = self.model.compute_logits(hidden_states[row_start + s : row_start + e])
-                if logits is None:  # not the first tensor-parallel rank
-                    continue
-                logprobs = logits.float().log_softmax(-1)
-                part = gather_logprobs(logprobs, k, targets[s:e])
-                merged.logprob_token_ids += part.logprob_token_ids
-                merged.logprobs += part.logprobs
-                merged.sampled_token_ranks += part.sampled_token_ranks
-            if self.is_driver:
-                output.prompt_logprobs[state.req_id] = merged
+            logprobs = logits.float().log_softmax(-1)
+            part = gather_logprobs(logprobs, k, targets[s:e])
+            merged.logprob_token_ids += part.logprob_token_ids
+            merged.logprobs += part.logprobs
+            merged.sampled_token_ranks += part.sampled_token_ranks
+        if self.is_driver:
+            output.prompt_logprobs[state.req_id] = merged

@@ -77,6 +77,10 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner().execute_model(scheduler_output)
 
+    def reset_requests(self) -> None:
+        """After a failed step: forget the batch (the scheduler re-sends every request)."""
+        self._runner().reset_requests()
+
     # -------------------------------------------------------------- control
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> Any:
         return func(self._runner().model)

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from pagedlm.engine.arg_utils import EngineArgs, FlexibleArgumentParser
 from pagedlm.entrypoints.openai.protocol import URL_HANDLERS, RequestError, ServingContext
+from pagedlm.outputs import PoolingRequestOutput
 
 _SYNC_LINES, _SYNC_S = 100, 1.0  # fsync the output at least this often
 _SEP = (",", ":")
@@ -46,6 +47,14 @@ _QUEUE_FACTOR = 4  # requests queued in the engine per max_num_seqs
 
 def _hex() -> str:
     return uuid.uuid4().hex
+
+
+def _failed_in_step(output: Any) -> bool:
+    """A request the engine finished with an error (finish_reason "error"; a pooled output
+    without data)."""
+    if isinstance(output, PoolingRequestOutput):
+        return output.outputs.data is None
+    return any(c.finish_reason == "error" for c in output.outputs)
 
 
 def _record(custom_id: str | None, status: int, request_id: str, body: Any, error: Any) -> dict:
@@ -276,6 +285,14 @@ class BatchRunner:
         self.pending[request_id] = (custom_id, prepared.make_body)
 
     def finish(self, output: Any) -> None:
+        if _failed_in_step(output):
+            custom_id, _ = self.pending.pop(output.request_id)
+            cause = self.engine.last_step_error
+            error = {"code": 500, "message": f"The request failed in a model step: {cause}"}
+            self.writer.write(_record(custom_id, 500, output.request_id, None, error))
+            self.stats.failed += 1
+            self._advance()
+            return
         custom_id, make_body = self.pending.pop(output.request_id)
         body = make_body(output)
         self.writer.write(_record(custom_id, 200, output.request_id, body, None))
