@@ -43,7 +43,7 @@ MAX_LOGPROB_TOKEN_IDS = 128
 """Upper bound on ``len(SamplingParams.logprob_token_ids)``."""
 
 
-_INT_FIELDS = ("n", "top_k", "min_tokens", "routed_experts_prompt_start")
+_INT_FIELDS = ("n", "min_tokens", "routed_experts_prompt_start")  # top_k: _verify_args
 _OPTIONAL_INT_FIELDS = ("seed", "max_tokens")
 _LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")  # an int, None, or True (one)
 _FLOAT_FIELDS = (
@@ -53,7 +53,7 @@ _BOOL_FIELDS = (
     "ignore_eos", "flat_logprobs", "detokenize", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "skip_clone",
 )  # fmt: skip
-_TOKEN_ID_LIST_FIELDS = ("stop_token_ids", "allowed_token_ids", "logprob_token_ids")
+_TOKEN_ID_LIST_FIELDS = ("allowed_token_ids", "logprob_token_ids")  # stop_token_ids: below
 
 
 def _is_int(value: Any) -> bool:
@@ -71,6 +71,10 @@ def _is_list_of(value: Any, check: Any) -> bool:
         and not isinstance(value, str | bytes)
         and all(check(item) for item in value)
     )
+
+
+def _anything(value: Any) -> bool:
+    return True
 
 
 def _is_str(value: Any) -> bool:
@@ -294,6 +298,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_list_of(value, _is_int):
                 _wrong_type(name, "a list of int token ids or None", value)
+        if self.stop_token_ids is not None and not _is_list_of(self.stop_token_ids, _anything):
+            _wrong_type("stop_token_ids", "a list of int token ids or None", self.stop_token_ids)
         stop = self.stop
         if not (stop is None or isinstance(stop, str) or _is_list_of(stop, _is_str)):
             _wrong_type("stop", "a string, a list of strings or None", stop)
@@ -346,7 +352,7 @@ class SamplingParams:
             self._reject("temperature", f"temperature must be non-negative, got {t}.")
         if not 0.0 < self.top_p <= 1.0:
             self._reject("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int):
+        if not _is_int(self.top_k):
             raise TypeError(f"top_k must be an integer, got {type(self.top_k).__name__}")
         if self.top_k < -1:  # -1 is quietly accepted as "disabled", like 0
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
@@ -368,7 +374,7 @@ class SamplingParams:
             if value is not None and value != -1 and value < 0:
                 self._reject(name, f"{name} must be non-negative or -1, got {value}.")
         assert isinstance(self.stop_token_ids, list)
-        if not all(isinstance(token_id, int) for token_id in self.stop_token_ids):
+        if not all(_is_int(token_id) for token_id in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must contain only integers, got {self.stop_token_ids}."
             )

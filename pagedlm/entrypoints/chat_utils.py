@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
+
 from pagedlm.inputs import TokensPrompt
 
 
@@ -57,15 +59,22 @@ def render_conversations(
     conversations = [messages] if single else list(messages)
     prompts: list[TokensPrompt] = []
     for conversation in conversations:
-        text = tokenizer.apply_chat_template(
-            _validate(conversation),
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=tools,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
+        try:
+            text = tokenizer.apply_chat_template(
+                _validate(conversation),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except jinja2.TemplateError as e:
+            source = "chat_template passed in" if chat_template else "model's chat template"
+            raise ValueError(
+                f"The {source} cannot be rendered ({type(e).__name__}: {e}); fix the template "
+                "or pass a working one as chat_template=."
+            ) from e
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         prompts.append(TokensPrompt(prompt_token_ids=token_ids, prompt=text))
     return prompts

@@ -35,7 +35,12 @@ class LoRAModel:
     weights: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]  # layer -> per slice
 
 
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
 def _fail(request: LoRARequest, message: str) -> ValueError:
+    """A ValueError naming the adapter; terminal colour codes of a library's message dropped."""
+    message = _ANSI_ESCAPE.sub("", message)
     return ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {message}")
 
 

@@ -84,7 +84,8 @@ def test_none_means_the_default_and_numpy_ints_are_ints() -> None:
     assert params.temperature == 1.0 and params.top_p == 1.0
     assert type(params.seed) is int and type(params.max_tokens) is int
     assert SamplingParams(logprobs=True).logprobs == 1
-    assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind is RequestOutputKind.DELTA
+    delta = RequestOutputKind.DELTA
+    assert SamplingParams(output_kind=delta).output_kind is delta
 
 
 BAD_CALLS = [
@@ -213,3 +214,18 @@ def mp_llm(tiny_qwen2):
 @given(draws=st.data())
 def test_fuzz_multiprocess_engine(mp_llm, reference, draws) -> None:
     _fuzz(mp_llm, reference, draws)  # the same weights: the in-process engine's tokens
+
+
+def test_broken_chat_template_is_named(llm, reference) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="chat_template passed in cannot be rendered"):
+        llm.chat(messages, chat_template="{% if %}", use_tqdm=False)
+    _assert_serving(llm, reference)
+
+
+def test_lora_errors_carry_no_terminal_colour_codes() -> None:
+    from pagedlm.lora.adapter import _fail
+    from pagedlm.lora.request import LoRARequest
+
+    error = _fail(LoRARequest("a", 1, "/x"), "\x1b[31mcannot read\x1b[0m the weights")
+    assert str(error) == "LoRA adapter 'a' (/x): cannot read the weights"

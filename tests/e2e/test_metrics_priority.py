@@ -73,16 +73,19 @@ def test_priority_order_on_a_saturated_engine(tiny_qwen2) -> None:
     assert order == ["high", "mid", "low"]
 
 
-def test_priority_ignored_under_fcfs(tiny_qwen2) -> None:
+def test_priority_refused_under_fcfs(tiny_qwen2) -> None:
+    """vLLM's input processor refuses a non-zero priority unless scheduling_policy='priority'
+    (a priority that would be ignored is an option silently dropped); 0 is the default."""
     llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=64, max_num_seqs=1)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    for rid, priority in [("a", 5), ("b", 0)]:
-        engine.add_request(rid, "Hello", params, priority=priority)
+    with pytest.raises(ValueError, match="Got priority 5 but Priority scheduling is not enabled"):
+        engine.add_request("a", "Hello", params, priority=5)
+    engine.add_request("b", "Hello", params, priority=0)
     order = []
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
-    assert order == ["a", "b"]
+    assert order == ["b"]
 
 
 def test_enqueue_and_wait_for_completion(tiny_qwen2) -> None:

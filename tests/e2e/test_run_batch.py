@@ -252,3 +252,34 @@ def test_interrupt_kill_and_resume(tmp_path, engine_args, capsys) -> None:
     results = read_results(out)
     assert sorted(r["custom_id"] for r in results) == sorted(f"r{i}" for i in range(n))
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 24 for r in results)
+
+
+def test_a_request_failing_in_a_step_is_its_own_error_record(
+    tmp_path, engine_args, monkeypatch
+) -> None:
+    """A request whose step raises inside the worker (injected: max_tokens=7) gets an error
+    record with the cause; the line next to it in the same steps is answered as usual."""
+    from pagedlm.worker import input_batch
+
+    init = input_batch.CachedRequestState.__post_init__
+
+    def fail_marked(state) -> None:
+        if state.sampling_params is not None and state.sampling_params.max_tokens == 7:
+            raise RuntimeError("injected worker failure")
+        init(state)
+
+    monkeypatch.setattr(input_batch.CachedRequestState, "__post_init__", fail_marked)
+    greedy = {"temperature": 0, "ignore_eos": True}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(
+        line("ok", COMPLETIONS, {"prompt": [5, 6, 7], "max_tokens": 5, **greedy})
+        + "\n"
+        + line("bad", COMPLETIONS, {"prompt": [5, 6, 8], "max_tokens": 7, **greedy})
+        + "\n"
+    )
+    assert main(["-i", str(inp), "-o", str(out), *engine_args]) == 1
+    results = {r["custom_id"]: r for r in read_results(out)}
+    assert results["ok"]["error"] is None
+    assert results["ok"]["response"]["body"]["usage"]["completion_tokens"] == 5
+    assert results["bad"]["response"]["status_code"] == 500
+    assert "injected worker failure" in results["bad"]["error"]["message"]
