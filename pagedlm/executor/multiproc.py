@@ -12,16 +12,18 @@ callables travel too). Failure handling, the reason this file exists:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -88,6 +90,20 @@ def check_callables_allowed(method: Any, args: tuple, kwargs: dict[str, Any] | N
         "processes, which pagedlm (like vLLM) only does when you opt in: set "
         "VLLM_ALLOW_INSECURE_SERIALIZATION=1, or call a Worker method by name."
     )
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ctrl-C waits until the block is done (the pipes' bookkeeping stays whole); the wait for
+    replies outside it stays interruptible."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _die_with_parent() -> None:
@@ -204,9 +220,10 @@ class MultiprocExecutor(Executor):
         check_callables_allowed(method, args, kwargs)
         self._drain()
         payload = cloudpickle.dumps((method, args, kwargs or {}))
-        for rank, conn in enumerate(self.conns):
-            conn.send_bytes(payload)
-            self._pending[rank] += 1
+        with _sigint_deferred():  # a message and its count go together
+            for rank, conn in enumerate(self.conns):
+                conn.send_bytes(payload)
+                self._pending[rank] += 1
         return self._collect(method, timeout)
 
     def _collect(self, method: str | Callable[..., Any], timeout: float | None) -> list[Any]:
@@ -254,10 +271,11 @@ class MultiprocExecutor(Executor):
             if conn in conns:
                 rank = conns[conn]
                 try:
-                    reply = cloudpickle.loads(conn.recv_bytes())
+                    with _sigint_deferred():  # never half a message, never a reply uncounted
+                        reply = cloudpickle.loads(conn.recv_bytes())
+                        self._pending[rank] -= 1
                 except (EOFError, OSError):
                     self._fail(rank, method)
-                self._pending[rank] -= 1
                 return rank, reply
         dead = [sentinels[s] for s in ready if s in sentinels]
         if dead:
