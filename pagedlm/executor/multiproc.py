@@ -179,10 +179,29 @@ def _stop_workers(processes: list[mp.Process], conns: list[Connection]) -> None:
         conn.close()
 
 
+# Calls that leave the workers as a fresh start would (after the engine's start-up), and calls
+# whose effect a restart replays in order; any other call (weight updates, sleep, profiling,
+# callables) makes the workers' state unreproducible, and a rank failure then ends the engine.
+_STATELESS_CALLS = frozenset(
+    {
+        "execute_model", "reset_requests", "get_kv_cache_bytes_per_block",
+        "determine_available_memory", "get_weights_generation", "check_health",
+        "check_weights_present", "list_loras", "check_can_sleep",
+    }
+)  # fmt: skip
+_REPLAYED_CALLS = frozenset({"initialize_kv_cache", "add_lora", "remove_lora", "pin_lora"})
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
+        self._replayed: list[tuple[str, tuple, dict[str, Any]]] = []  # in call order
+        self._unrestartable_by: str | None = None  # the call that made restarts unsafe
+        self._start_workers()
+
+    def _start_workers(self) -> None:
         world = self.parallel_config.world_size
+        vllm_config = self.vllm_config
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.processes: list[mp.Process] = []
@@ -219,12 +238,16 @@ class MultiprocExecutor(Executor):
             raise WorkerDiedError("A worker process died earlier; create a new LLM.")
         check_callables_allowed(method, args, kwargs)
         self._drain()
-        payload = cloudpickle.dumps((method, args, kwargs or {}))
+        self._note_state_change(method, args, kwargs or {})
+        self._send(method, args, kwargs or {})
+        return self._collect(method, timeout)
+
+    def _send(self, method: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        payload = cloudpickle.dumps((method, args, kwargs))
         with _sigint_deferred():  # a message and its count go together
             for rank, conn in enumerate(self.conns):
                 conn.send_bytes(payload)
                 self._pending[rank] += 1
-        return self._collect(method, timeout)
 
     def _collect(self, method: str | Callable[..., Any], timeout: float | None) -> list[Any]:
         """Every rank's reply, waited for together: the first error is raised as soon as the
@@ -282,17 +305,45 @@ class MultiprocExecutor(Executor):
             self._fail(dead[0], method)
         return None, ("", None)
 
+    def _note_state_change(self, method: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if method in _STATELESS_CALLS:
+            return
+        if method in _REPLAYED_CALLS:
+            self._replayed.append((method, args, kwargs))
+        elif self._unrestartable_by is None:
+            self._unrestartable_by = method if isinstance(method, str) else "a callable"
+
     def _abandon_stuck_ranks(self, error: tuple[int, BaseException], num_stuck: int) -> None:
+        """Ranks wait inside a collective for a failed one: stop every worker, then start them
+        anew (the model reloaded, the replayed calls run again) where nothing else changed
+        their state; else the engine is done. Raises the failed rank's error either way."""
         rank, exc = error
-        self.is_failed = True
+        why = (
+            f"{num_stuck} other rank(s) did not answer within {envs.PAGEDLM_RANK_FAILURE_GRACE} "
+            f"s after rank {rank} failed (they wait for it inside a collective)"
+        )
         self._pending = [0] * len(self.conns)
         self.shutdown()
-        if hasattr(exc, "add_note"):
-            exc.add_note(
-                f"{num_stuck} other rank(s) did not answer within "
-                f"{envs.PAGEDLM_RANK_FAILURE_GRACE} s after rank {rank} failed (they wait for it "
-                "inside a collective), so the workers were stopped; create a new LLM."
+        if self._unrestartable_by is None:
+            logger.warning("%s: restarting the worker processes", why)
+            try:
+                self._start_workers()
+                for method, args, kwargs in self._replayed:
+                    self._send(method, args, kwargs)
+                    self._collect(method, None)
+            except BaseException as restart_error:
+                self.is_failed = True
+                self.shutdown()
+                raise WorkerDiedError(f"{why}; restarting the workers failed.") from restart_error
+            note = f"{why}, so the workers were restarted; the engine goes on."
+        else:
+            self.is_failed = True
+            note = (
+                f"{why}, so the workers were stopped; they cannot be restarted as they were "
+                f"({self._unrestartable_by!r} changed their state since start): create a new LLM."
             )
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
         raise exc
 
     def _fail(self, rank: int, method: Any) -> None:

@@ -5,7 +5,8 @@
 - An exception inside a step fails the request that raised (finish_reason "error"); every
   other request, seeded ones included, returns what it returns without the failure.
 - mp with tensor parallelism: one rank's exception reaches the caller within seconds, naming
-  the rank, although the other rank waits for it inside a collective.
+  the rank, although the other rank waits for it inside a collective; the workers are
+  restarted and the engine goes on where a restart reproduces their state.
 - Callables cross to worker processes only with VLLM_ALLOW_INSECURE_SERIALIZATION=1.
 """
 
@@ -142,17 +143,40 @@ def test_ctrl_c_inside_generate_leaves_the_engine_serving(tiny_qwen2, backend, d
     engine.scheduler.check_invariants()
 
 
-def test_rank_failure_reaches_the_caller_within_seconds(tiny_qwen2) -> None:
+@pytest.mark.parametrize("restartable", [True, False])
+def test_rank_failure_reaches_the_caller_within_seconds(tiny_qwen2, restartable) -> None:
+    """Rank 1 fails while rank 0 waits for it inside a collective. Workers whose state a
+    restart reproduces are restarted and the engine goes on (the failed request alone has
+    finish_reason "error"); workers changed by other calls are stopped, the engine is done."""
     llm = _make(tiny_qwen2, "mp", tensor_parallel_size=2)
-    _arm(llm, fail_rank=1)  # rank 0 then waits for rank 1 inside a collective
+    reference = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    _arm(llm, fail_rank=1)
+    executor = llm.llm_engine.model_executor
+    assert executor._unrestartable_by == "a callable"  # the patch itself is such a change
+    if restartable:
+        executor._unrestartable_by = None  # take the patched workers as the start state
+    bad = SamplingParams(prompt_logprobs=MARK, max_tokens=4)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="injected failure on rank 1") as info:
-        llm.generate([[9, 9, 9]], SamplingParams(prompt_logprobs=MARK), use_tqdm=False)
-    elapsed = time.monotonic() - start
-    assert elapsed < 30, elapsed  # PAGEDLM_RANK_FAILURE_GRACE (5 s), not gloo's 30 minutes
-    assert "worker rank 1" in "".join(getattr(info.value, "__notes__", []))
-    with pytest.raises(WorkerDiedError, match="create a new LLM"):
-        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    if restartable:
+        outputs = llm.generate([*PROMPTS, [9, 9, 9]], [*PARAMS, bad], use_tqdm=False)
+        elapsed = time.monotonic() - start
+        assert [o.outputs[0].finish_reason for o in outputs][-1] == "error"
+        assert _tokens(outputs[:4]) == reference
+        assert "injected failure on rank 1" in llm.llm_engine.last_step_error
+        # the restarted workers are unpatched: the same request now runs
+        outputs = llm.generate([*PROMPTS, [9, 9, 9]], [*PARAMS, bad], use_tqdm=False)
+        assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * 5
+        assert _tokens(outputs[:4]) == reference
+    else:
+        with pytest.raises(RuntimeError, match="injected failure on rank 1") as info:
+            llm.generate([[9, 9, 9]], bad, use_tqdm=False)
+        elapsed = time.monotonic() - start
+        notes = "".join(getattr(info.value, "__notes__", []))
+        assert "worker rank 1" in notes and "cannot be restarted" in notes
+        with pytest.raises(WorkerDiedError, match="create a new LLM"):
+            llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    # PAGEDLM_RANK_FAILURE_GRACE (5 s) and a restart, not gloo's 30-minute timeout
+    assert elapsed < 60, elapsed
 
 
 def test_callables_over_processes_need_the_opt_in(tiny_qwen2, monkeypatch) -> None:
