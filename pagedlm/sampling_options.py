@@ -1,13 +1,18 @@
 """Parameter objects that ride on ``SamplingParams`` (structured outputs, repetition
-detection) or sit next to it (``BeamSearchParams``), and the field checks they share.
+detection, the output kind) or sit next to it (``BeamSearchParams``), and the field checks
+they share, the type checks of every ``SamplingParams`` field among them.
 
 ``pagedlm.sampling_params`` re-exports the classes, where vLLM users import them from.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import Any, NoReturn
 
 from pagedlm import envs
 from pagedlm.exceptions import VLLMValidationError
@@ -138,3 +143,110 @@ def convert_logit_bias(
         msg = f"{msg}: {bad_keys!r}"
         raise VLLMValidationError(msg, parameter="logit_bias", value=bad_keys)
     return bias
+
+
+class RequestOutputKind(Enum):
+    """What each ``RequestOutput`` of a request carries."""
+
+    CUMULATIVE = 0  # the whole output so far
+    DELTA = 1  # only the newly generated part
+    FINAL_ONLY = 2  # one output, at the end
+
+
+_INT_FIELDS = ("n", "min_tokens", "routed_experts_prompt_start")  # top_k: _verify_args
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens")
+_LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")  # an int, None, or True (one)
+_FLOAT_FIELDS = (
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p",
+)  # fmt: skip
+_BOOL_FIELDS = (
+    "ignore_eos", "flat_logprobs", "detokenize", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "skip_clone",
+)  # fmt: skip
+_TOKEN_ID_LIST_FIELDS = ("allowed_token_ids", "logprob_token_ids")  # stop_token_ids: below
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (``True`` is no token id, seed or count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_list_of(value: Any, check: Any) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str | bytes)
+        and all(check(item) for item in value)
+    )
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _wrong_type(name: str, accepted: str, value: Any) -> NoReturn:
+    raise TypeError(
+        f"SamplingParams.{name} must be {accepted}, got {type(value).__name__} {value!r:.80}."
+    )
+
+
+def check_field_types(params: Any) -> None:
+    """SamplingParams' type checks (`SamplingParams.check_types`): TypeError naming the first
+    field whose value has a type it does not accept; integral values become ``int``, real ones
+    ``float``."""
+    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS + _LOGPROBS_FIELDS:
+        value = getattr(params, name)
+        if value is None and name not in _INT_FIELDS:
+            continue
+        if value is True and name in _LOGPROBS_FIELDS:
+            continue
+        if not is_int(value):
+            accepted = "an int" if name in _INT_FIELDS else "an int or None"
+            _wrong_type(name, accepted, value)
+        setattr(params, name, int(value))
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if not _is_real(value):
+            _wrong_type(name, "a number", value)
+        setattr(params, name, float(value))
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(params, name), bool):
+            _wrong_type(name, "True or False", getattr(params, name))
+    for name in _TOKEN_ID_LIST_FIELDS:
+        value = getattr(params, name)
+        if value is not None and not _is_list_of(value, is_int):
+            _wrong_type(name, "a list of int token ids or None", value)
+    if params.stop_token_ids is not None and not _is_list_of(params.stop_token_ids, _anything):
+        _wrong_type("stop_token_ids", "a list of int token ids or None", params.stop_token_ids)
+    stop = params.stop
+    if not (stop is None or isinstance(stop, str) or _is_list_of(stop, _is_str)):
+        _wrong_type("stop", "a string, a list of strings or None", stop)
+    if not (params.bad_words is None or _is_list_of(params.bad_words, _is_str)):
+        _wrong_type("bad_words", "a list of strings or None", params.bad_words)
+    bias = params.logit_bias
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(is_int(k) for k in bias):
+            _wrong_type("logit_bias", "a dict of int token id -> number, or None", bias)
+        if not all(_is_real(v) and math.isfinite(v) for v in bias.values()):
+            raise VLLMValidationError(
+                "logit_bias values must be finite numbers.", parameter="logit_bias", value=bias
+            )
+    if not isinstance(params.output_kind, RequestOutputKind):
+        _wrong_type("output_kind", "a RequestOutputKind", params.output_kind)
+    optional_types: dict[str, type] = {
+        "structured_outputs": StructuredOutputsParams,
+        "repetition_detection": RepetitionDetectionParams,
+        "extra_args": dict,
+        "skip_reading_prefix_cache": bool,
+    }
+    for name, kind in optional_types.items():
+        value = getattr(params, name)
+        if value is not None and not isinstance(value, kind):
+            _wrong_type(name, f"a {kind.__name__} or None", value)

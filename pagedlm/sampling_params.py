@@ -10,18 +10,19 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import numbers
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import Any, NoReturn, Protocol
 
 from pagedlm.exceptions import VLLMValidationError
 from pagedlm.sampling_options import (
     BeamSearchParams,
     RepetitionDetectionParams,
+    RequestOutputKind,
     StructuredOutputsParams,
+    check_field_types,
     convert_logit_bias,
+    is_int,
     validate_thinking_token_budget,
     verify_num_sequences,
 )
@@ -43,50 +44,6 @@ MAX_LOGPROB_TOKEN_IDS = 128
 """Upper bound on ``len(SamplingParams.logprob_token_ids)``."""
 
 
-_INT_FIELDS = ("n", "min_tokens", "routed_experts_prompt_start")  # top_k: _verify_args
-_OPTIONAL_INT_FIELDS = ("seed", "max_tokens")
-_LOGPROBS_FIELDS = ("logprobs", "prompt_logprobs")  # an int, None, or True (one)
-_FLOAT_FIELDS = (
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p",
-)  # fmt: skip
-_BOOL_FIELDS = (
-    "ignore_eos", "flat_logprobs", "detokenize", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output", "skip_clone",
-)  # fmt: skip
-_TOKEN_ID_LIST_FIELDS = ("allowed_token_ids", "logprob_token_ids")  # stop_token_ids: below
-
-
-def _is_int(value: Any) -> bool:
-    """An integer that is not a bool (``True`` is no token id, seed or count)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_list_of(value: Any, check: Any) -> bool:
-    return (
-        isinstance(value, Sequence)
-        and not isinstance(value, str | bytes)
-        and all(check(item) for item in value)
-    )
-
-
-def _anything(value: Any) -> bool:
-    return True
-
-
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _wrong_type(name: str, accepted: str, value: Any) -> NoReturn:
-    raise TypeError(
-        f"SamplingParams.{name} must be {accepted}, got {type(value).__name__} {value!r:.80}."
-    )
-
-
 class _Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -97,14 +54,6 @@ class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
-
-
-class RequestOutputKind(Enum):
-    """What each ``RequestOutput`` of a request carries."""
-
-    CUMULATIVE = 0  # the whole output so far
-    DELTA = 1  # only the newly generated part
-    FINAL_ONLY = 2  # one output, at the end
 
 
 _REPR_FIELDS = (
@@ -276,55 +225,7 @@ class SamplingParams:
     def check_types(self) -> None:
         """Raise TypeError naming the first field whose value has a type it does not accept;
         integral values (numpy's too) become ``int`` and real ones ``float``."""
-        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS + _LOGPROBS_FIELDS:
-            value = getattr(self, name)
-            if value is None and name not in _INT_FIELDS:
-                continue
-            if value is True and name in _LOGPROBS_FIELDS:
-                continue
-            if not _is_int(value):
-                accepted = "an int" if name in _INT_FIELDS else "an int or None"
-                _wrong_type(name, accepted, value)
-            setattr(self, name, int(value))
-        for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            if not _is_real(value):
-                _wrong_type(name, "a number", value)
-            setattr(self, name, float(value))
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                _wrong_type(name, "True or False", getattr(self, name))
-        for name in _TOKEN_ID_LIST_FIELDS:
-            value = getattr(self, name)
-            if value is not None and not _is_list_of(value, _is_int):
-                _wrong_type(name, "a list of int token ids or None", value)
-        if self.stop_token_ids is not None and not _is_list_of(self.stop_token_ids, _anything):
-            _wrong_type("stop_token_ids", "a list of int token ids or None", self.stop_token_ids)
-        stop = self.stop
-        if not (stop is None or isinstance(stop, str) or _is_list_of(stop, _is_str)):
-            _wrong_type("stop", "a string, a list of strings or None", stop)
-        if not (self.bad_words is None or _is_list_of(self.bad_words, _is_str)):
-            _wrong_type("bad_words", "a list of strings or None", self.bad_words)
-        bias = self.logit_bias
-        if bias is not None:
-            if not isinstance(bias, dict) or not all(_is_int(k) for k in bias):
-                _wrong_type("logit_bias", "a dict of int token id -> number, or None", bias)
-            if not all(_is_real(v) and math.isfinite(v) for v in bias.values()):
-                raise VLLMValidationError(
-                    "logit_bias values must be finite numbers.", parameter="logit_bias", value=bias
-                )
-        if not isinstance(self.output_kind, RequestOutputKind):
-            _wrong_type("output_kind", "a RequestOutputKind", self.output_kind)
-        optional_types: dict[str, type] = {
-            "structured_outputs": StructuredOutputsParams,
-            "repetition_detection": RepetitionDetectionParams,
-            "extra_args": dict,
-            "skip_reading_prefix_cache": bool,
-        }
-        for name, kind in optional_types.items():
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, kind):
-                _wrong_type(name, f"a {kind.__name__} or None", value)
+        check_field_types(self)
 
     def _reject(self, name: str, message: str, value: Any = None) -> NoReturn:
         """Raise VLLMValidationError for field ``name`` (``value`` defaults to the field's)."""
@@ -352,7 +253,7 @@ class SamplingParams:
             self._reject("temperature", f"temperature must be non-negative, got {t}.")
         if not 0.0 < self.top_p <= 1.0:
             self._reject("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        if not _is_int(self.top_k):
+        if not is_int(self.top_k):
             raise TypeError(f"top_k must be an integer, got {type(self.top_k).__name__}")
         if self.top_k < -1:  # -1 is quietly accepted as "disabled", like 0
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
@@ -374,7 +275,7 @@ class SamplingParams:
             if value is not None and value != -1 and value < 0:
                 self._reject(name, f"{name} must be non-negative or -1, got {value}.")
         assert isinstance(self.stop_token_ids, list)
-        if not all(_is_int(token_id) for token_id in self.stop_token_ids):
+        if not all(is_int(token_id) for token_id in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must contain only integers, got {self.stop_token_ids}."
             )

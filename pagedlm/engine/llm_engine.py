@@ -317,6 +317,9 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         not tell) finish with finish_reason "error"; the engine goes on with the others."""
         blamed = getattr(error, "failed_request_ids", None) or scheduler_output.scheduled_req_ids
         failed = [rid for rid in blamed if rid in self.scheduler.requests]
+        self.last_step_error = f"{type(error).__name__}: {error}"
+        if self.model_executor.is_failed:  # the workers are gone: nothing to recover
+            raise error
         states = self.output_processor.request_states
         external = [states[rid].external_req_id if rid in states else rid for rid in failed]
         logger.error(
@@ -327,9 +330,6 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
             error,
             exc_info=error,
         )
-        self.last_step_error = f"{type(error).__name__}: {error}"
-        if self.model_executor.is_failed:  # the workers are gone: nothing to recover
-            raise error
         self._recover_from_failed_step(failed)
         outputs, _ = self.output_processor.process_outputs(
             [EngineCoreOutput(rid, [], finish_reason="error") for rid in failed]

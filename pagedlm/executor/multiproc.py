@@ -1,10 +1,16 @@
 """The multiprocess executor: one spawned process per rank, joined by torch.distributed.
 
 Each rank's process holds a Worker and answers calls sent over its own pipe (cloudpickle, so
-callables travel too). Failure handling, the reason this file exists:
-- while waiting for any reply the engine also watches every worker's process sentinel, so a
-  dead worker raises RuntimeError naming its rank within moments, never a hang (even when the
-  other ranks wait for it inside a collective);
+callables travel too, with VLLM_ALLOW_INSECURE_SERIALIZATION=1). Failure handling, the reason
+this file exists:
+- the engine waits for every rank's reply at once and also watches every worker's process
+  sentinel, so a dead worker raises WorkerDiedError naming its rank within moments, never a
+  hang (even when the other ranks wait for it inside a collective);
+- a rank whose call raises: its error reaches the caller once the other ranks answer, or after
+  PAGEDLM_RANK_FAILURE_GRACE s when they are stuck waiting for it; stuck workers are restarted
+  (model reloaded, start-up calls replayed) unless a call changed them beyond that;
+- Ctrl-C never splits a message from its bookkeeping, and the next call drains the replies
+  an interrupted one left;
 - workers die with the engine: they ignore Ctrl-C (the engine shuts them down), ask the kernel
   for SIGKILL when their parent dies (Linux), and exit when their pipe closes;
 - the engine stops them on `shutdown()`, when the executor is garbage-collected and at exit.
@@ -94,16 +100,22 @@ def check_callables_allowed(method: Any, args: tuple, kwargs: dict[str, Any] | N
 
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[None]:
-    """Ctrl-C waits until the block is done (the pipes' bookkeeping stays whole); the wait for
-    replies outside it stays interruptible."""
+    """Ctrl-C waits until the block is done (the pipes' bookkeeping stays whole), then acts as
+    it would have; the wait for replies outside it stays interruptible. Only the main thread
+    runs signal handlers, so only there is anything to defer."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    frames: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: frames.append(frame))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.signal(signal.SIGINT, previous)
+        if frames and callable(previous):
+            previous(signal.SIGINT, frames[0])
+        elif frames and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def _die_with_parent() -> None:
@@ -250,10 +262,9 @@ class MultiprocExecutor(Executor):
                 self._pending[rank] += 1
 
     def _collect(self, method: str | Callable[..., Any], timeout: float | None) -> list[Any]:
-        """Every rank's reply, waited for together: the first error is raised as soon as the
-        other ranks have answered, or once they have not within PAGEDLM_RANK_FAILURE_GRACE s
-        (they wait for the failed rank inside a collective: they are stopped, the engine is
-        done)."""
+        """Every rank's reply (of the ranks owing one), waited for together: the first error is
+        raised as soon as the other ranks have answered, or once they have not within
+        PAGEDLM_RANK_FAILURE_GRACE s (`_abandon_stuck_ranks`)."""
         ranks = [r for r, n in enumerate(self._pending) if n > 0]  # all, but when draining
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: dict[int, tuple[str, Any]] = {}
@@ -306,12 +317,15 @@ class MultiprocExecutor(Executor):
         return None, ("", None)
 
     def _note_state_change(self, method: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-        if method in _STATELESS_CALLS:
+        """Record what a restart must replay, or the first call it could not reproduce."""
+        if not isinstance(method, str):
+            self._unrestartable_by = self._unrestartable_by or "a callable"
+        elif method in _STATELESS_CALLS:
             return
-        if method in _REPLAYED_CALLS:
+        elif method in _REPLAYED_CALLS:
             self._replayed.append((method, args, kwargs))
         elif self._unrestartable_by is None:
-            self._unrestartable_by = method if isinstance(method, str) else "a callable"
+            self._unrestartable_by = method
 
     def _abandon_stuck_ranks(self, error: tuple[int, BaseException], num_stuck: int) -> None:
         """Ranks wait inside a collective for a failed one: stop every worker, then start them
