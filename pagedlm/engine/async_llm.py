@@ -127,6 +127,27 @@ class AsyncLLM:
         async with self._lock():
             return self.engine.reset_prefix_cache()
 
+    # ----------------------------------------------------------------- sleep
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """`LLMEngine.sleep`; requests that finish while mode="wait" drains reach their
+        streams, and aborted ones end theirs."""
+        async with self._lock():
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, self.engine.sleep, level, mode)
+            self._dispatch(self.engine.take_stashed_outputs())
+            live = self.engine.output_processor.external_to_internal
+            for rid in [r for r in self._queues if r not in live]:  # aborted by the sleep
+                self._end_aborted(rid)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        async with self._lock():
+            self.engine.wake_up(tags)
+        if self._has_work is not None:
+            self._has_work.set()  # the loop sleeps while the engine does
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     # ------------------------------------------------------------------ LoRA
     async def add_lora(self, lora_request: Any) -> bool:
         async with self._lock():
@@ -213,9 +234,7 @@ class AsyncLLM:
         async with self._lock():
             self.engine.abort_request(ids, internal=internal)
         for rid in ids:
-            queue = self._queues.pop(rid, None)
-            if queue is not None:
-                queue.put_nowait(asyncio.CancelledError(f"request {rid} was aborted"))
+            self._end_aborted(rid)
 
     def shutdown(self) -> None:
         """Stop the loop, fail waiting requests, release the worker thread. Idempotent."""
@@ -235,6 +254,21 @@ class AsyncLLM:
             executor.shutdown(wait=False)
 
     # -------------------------------------------------------------- internals
+    def _end_aborted(self, request_id: str) -> None:
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(asyncio.CancelledError(f"request {request_id} was aborted"))
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        """Each output to its request's stream; a finished request's stream is done."""
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is None:
+                continue
+            queue.put_nowait(out)
+            if out.finished:
+                del self._queues[out.request_id]
+
     def _lock(self) -> asyncio.Lock:
         """The engine lock of the running event loop (a new loop, e.g. asyncio.run, gets one)."""
         loop = asyncio.get_running_loop()
@@ -314,7 +348,7 @@ class AsyncLLM:
                     if self._pending_aborts:
                         engine.abort_request(list(self._pending_aborts))
                         self._pending_aborts.clear()
-                    has_work = engine.has_unfinished_requests()
+                    has_work = engine.has_unfinished_requests() and not engine.is_sleeping()
                     if has_work:
                         outputs = await loop.run_in_executor(self._executor, engine.step)
                         self.max_num_running_observed = max(
@@ -324,13 +358,7 @@ class AsyncLLM:
                     self._has_work.clear()
                     await self._has_work.wait()
                     continue
-                for out in outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is None:
-                        continue
-                    queue.put_nowait(out)
-                    if out.finished:
-                        del self._queues[out.request_id]
+                self._dispatch(outputs)
                 await asyncio.sleep(0)  # let submitters and consumers run between steps
         except asyncio.CancelledError:
             raise

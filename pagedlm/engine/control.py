@@ -6,7 +6,9 @@ Invariants:
   saw; when weights changed (by any path: weight transfer, `load_weights` on the model,
   `collective_rpc`) the prefix cache is invalidated before scheduling, so no request reuses
   KV computed with other weights. Running requests keep their KV and go on.
-- asleep (any level, until `wake_up` restores every part) the engine refuses to step;
+- asleep (any level, until `wake_up` restores every part; after level >= 1 scheduling comes
+  back with the memory, after level 0 only with the "scheduling" tag) the engine refuses to
+  step;
   `sleep(level>=1)` leaves no request holding KV blocks (aborted, finished or preempted).
 """
 
@@ -35,6 +37,9 @@ class EngineControlMixin:
         self._control_rpc_since_check = False
         self.asleep: set[str] = set()  # tags still asleep
         self.sleep_level = 0
+        # sleep(level=0) paused scheduling: only wake_up("scheduling") resumes it; after a
+        # level >= 1 sleep it resumes once weights and KV cache are resident again
+        self._paused_by_level0 = False
         self._weights_need_check = False
         self._stashed_outputs: list[Any] = []
         self._record_sleep_state()
@@ -96,6 +101,7 @@ class EngineControlMixin:
         self._settle_requests(mode)
         self.sleep_level = max(self.sleep_level, level) if self.asleep else level
         self.asleep.add("scheduling")
+        self._paused_by_level0 = self._paused_by_level0 or level == 0
         if level >= 1:
             self._free_kv_cache(level)
             if level == 2:
@@ -139,6 +145,9 @@ class EngineControlMixin:
             self.asleep.discard("kv_cache")
         if "scheduling" in tags:
             self.asleep.discard("scheduling")
+            self._paused_by_level0 = False
+        if not self._paused_by_level0 and not {"weights", "kv_cache"} & self.asleep:
+            self.asleep.discard("scheduling")  # as in vLLM: resident again, so scheduling
         if not self.asleep:
             self.sleep_level = 0
         self._record_sleep_state()

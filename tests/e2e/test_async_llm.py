@@ -201,3 +201,29 @@ def test_tokenizer_and_generate_rejects_pooling_params(tiny_qwen2) -> None:
     assert tok.encode("Hello") == engine.engine.get_tokenizer().encode("Hello")
     engine.shutdown()
     assert engine.is_stopped
+
+
+def test_sleep_and_wake_up(tiny_qwen2) -> None:
+    """vLLM 0.32's AsyncLLM has sleep / wake_up / is_sleeping: a level-1 sleep in mode "wait"
+    finishes the running streams, the loop pauses while asleep (a request added then waits),
+    and waking weights then KV cache resumes scheduling by itself."""
+    engine = _engine(tiny_qwen2, enable_sleep_mode=True)
+    want = asyncio.run(_final(engine, PROMPTS[0], _greedy(), "ref")).outputs[0].token_ids
+
+    async def main():
+        running = asyncio.ensure_future(_final(engine, PROMPTS[0], _greedy(30), "a"))
+        await asyncio.sleep(0.05)
+        await engine.sleep(level=1, mode="wait")
+        assert await engine.is_sleeping()
+        assert len((await running).outputs[0].token_ids) == 30  # finished by the drain
+        queued = asyncio.ensure_future(_final(engine, PROMPTS[0], _greedy(), "b"))
+        await asyncio.sleep(0.1)
+        assert not queued.done()  # waits while the engine sleeps
+        await engine.wake_up(tags=["weights"])
+        assert await engine.is_sleeping()
+        await engine.wake_up(tags=["kv_cache"])
+        assert not await engine.is_sleeping()
+        return await queued
+
+    assert asyncio.run(main()).outputs[0].token_ids == want
+    engine.shutdown()

@@ -61,7 +61,9 @@ def test_level1_frees_kv_cache_and_wakes_with_same_outputs(tiny_qwen2, executor)
         assert llm.is_sleeping()
         with pytest.raises(RuntimeError, match="sleeping"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert llm.wake_up(tags=["kv_cache"]) is False  # scheduling still paused
+        # as in vLLM 0.32, scheduling resumes once the memory is resident again (only a level-0
+        # pause needs the "scheduling" tag: test_level0_pauses_and_release_kv_cache_memory)
+        assert llm.wake_up(tags=["kv_cache"]) is True
         assert llm.wake_up() is True
         assert not llm.is_sleeping()
         assert run(llm) == before
@@ -104,6 +106,17 @@ def test_level0_pauses_and_release_kv_cache_memory(tiny_qwen2):
     assert llm.wake_up(tags=["kv_cache"]) is True
     outs = llm.wait_for_completion(use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [b[0] for b in before]
+
+
+def test_level0_pause_needs_the_scheduling_tag(tiny_qwen2):
+    """A level-0 pause stays until "scheduling" is woken, even once the KV cache released
+    under it is back (a level >= 1 sleep resumes with the memory)."""
+    llm = LLM(str(tiny_qwen2), **SLEEPY)
+    llm.sleep(level=0)
+    llm.release_kv_cache_memory()
+    assert llm.wake_up(tags=["kv_cache"]) is False
+    assert llm.wake_up(tags=["weights"]) is False
+    assert llm.wake_up(tags=["scheduling"]) is True
 
 
 def test_sleep_modes_wait_and_abort(tiny_qwen2):
