@@ -108,13 +108,16 @@ class ModelConfig:
         return int(self.hf_config.vocab_size)
 
     def get_hf_generation_config(self) -> dict[str, Any]:
-        """generation_config.json of the model (or of the folder given), {} if none or 'vllm'."""
+        """generation_config.json of the model (or of the folder given), {} for 'vllm'. Without
+        the file the model config's EOS id stands in, as in vLLM (a GGUF file's
+        tokenizer.ggml.eos_token_id, e.g. <|im_end|> where the tokenizer's is <|endoftext|>)."""
         if self.generation_config == "vllm":
             return {}
         folder = self.model_path if self.generation_config == "auto" else self.generation_config
         path = Path(folder) / "generation_config.json"
         if not path.is_file():
-            return {}
+            eos = getattr(self.hf_config, "eos_token_id", None)
+            return {} if eos is None else {"eos_token_id": eos}
         try:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:

@@ -153,3 +153,23 @@ def test_skip_tokenizer_init(tiny_qwen2) -> None:
         llm.generate("Hello", GREEDY, use_tqdm=False)
     out = llm.generate({"prompt_token_ids": [1, 20, 30]}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 5
+
+
+def test_model_config_eos_stops_without_generation_config(tiny_model_factory, tmp_path) -> None:
+    """No generation_config.json (GGUF files have none): the model config's EOS id ends
+    generation, as vLLM's generation config derived from the model config does, even where the
+    tokenizer names another EOS (tokenizer.ggml.eos_token_id <|im_end|> vs <|endoftext|>)."""
+    base = tiny_model_factory("qwen2")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    tokens = LLM(str(base), dtype="float32").generate([[5, 6, 7]], greedy, use_tqdm=False)
+    stop_at = tokens[0].outputs[0].token_ids[2]
+    model = tmp_path / "model"
+    shutil.copytree(base, model)
+    (model / "generation_config.json").unlink()
+    config = json.loads((model / "config.json").read_text())
+    config["eos_token_id"] = stop_at
+    (model / "config.json").write_text(json.dumps(config))
+    out = LLM(str(model), dtype="float32").generate([[5, 6, 7]], greedy, use_tqdm=False)
+    first = tokens[0].outputs[0].token_ids.index(stop_at)
+    assert out[0].outputs[0].token_ids == tokens[0].outputs[0].token_ids[: first + 1]
+    assert out[0].outputs[0].finish_reason == "stop"
