@@ -1,4 +1,6 @@
-"""Iterate (name, tensor) pairs from a Hugging Face directory of `*.safetensors` files."""
+"""Iterate (name, tensor) pairs from a Hugging Face directory: `*.safetensors` files, else
+PyTorch `pytorch_model*.bin` files, read as vLLM reads them (`torch.load(weights_only=True)`:
+tensors only, never arbitrary unpickling)."""
 
 from __future__ import annotations
 
@@ -28,15 +30,25 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
-            f"No *.safetensors files in {model_dir}. pagedlm loads safetensors checkpoints "
-            "(or GGUF files); convert .bin checkpoints with transformers' save_pretrained."
+            f"No *.safetensors or pytorch_model*.bin files in {model_dir}. pagedlm loads "
+            "Hugging Face checkpoints in those formats, or GGUF files."
         )
     return files
 
 
+def _pt_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("pytorch_model*.bin"))
+
+
 def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors: its safetensors shards, or its PyTorch .bin shards when it
+    has no safetensors."""
     from safetensors import SafetensorError, safe_open
 
+    model_dir = Path(model_dir)
+    if not list(model_dir.glob("*.safetensors")) and _pt_files(model_dir):
+        yield from _iterate_pt(_pt_files(model_dir))
+        return
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -47,3 +59,17 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
                 f"{path} is not a valid safetensors file ({e}); it may be truncated or corrupt. "
                 "Re-download the model."
             ) from e
+
+
+def _iterate_pt(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # truncated, or a pickle that is not plain tensors
+            raise ValueError(
+                f"{path} is not a readable PyTorch tensor checkpoint ({type(e).__name__}: {e}); "
+                "it may be truncated, or hold more than tensors (pagedlm, like vLLM, only loads "
+                "weights_only checkpoints). Re-download it or convert it to safetensors."
+            ) from e
+        yield from state.items()
+        del state

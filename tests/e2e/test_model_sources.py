@@ -48,6 +48,38 @@ def test_sharded_safetensors_checkpoint(tiny_llama, tmp_path) -> None:
     assert _ours(str(sharded)) == _hf_tokens(tiny_llama)
 
 
+def _as_bin_checkpoint(source, target, **save_kwargs):
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(target, safe_serialization=False, **save_kwargs)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (target / name).write_bytes((source / name).read_bytes())
+    assert not list(target.glob("*.safetensors")) and list(target.glob("pytorch_model*.bin"))
+    return target
+
+
+def test_pytorch_bin_checkpoint(tiny_llama, tmp_path) -> None:
+    """pytorch_model*.bin only (sharded too): read with torch.load(weights_only=True)."""
+    whole = _as_bin_checkpoint(tiny_llama, tmp_path / "bin")
+    sharded = _as_bin_checkpoint(tiny_llama, tmp_path / "bin-sharded", max_shard_size="100KB")
+    assert len(list(sharded.glob("pytorch_model*.bin"))) > 1
+    assert _ours(str(whole)) == _ours(str(sharded)) == _hf_tokens(tiny_llama)
+
+
+def test_pickled_code_in_a_bin_checkpoint_is_refused(tiny_llama, tmp_path) -> None:
+    import pickle
+
+    target = _as_bin_checkpoint(tiny_llama, tmp_path / "bin")
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("code ran while loading",))
+
+    with (target / "pytorch_model.bin").open("wb") as f:
+        pickle.dump({"model.embed_tokens.weight": Payload()}, f)
+    with pytest.raises(ValueError, match="weights_only"):
+        LLM(str(target), dtype="float32", max_model_len=128)
+
+
 def test_llama_gguf_written_like_llama_cpp_matches_transformers(tiny_llama, tmp_path) -> None:
     pytest.importorskip("gguf")
     path = write_llama_gguf(tiny_llama, tmp_path / "tiny-llama.gguf")
