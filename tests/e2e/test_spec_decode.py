@@ -145,6 +145,51 @@ def test_spec_decode_under_preemption_chunking_and_prefix_cache(tiny_qwen2) -> N
     assert got[0] == want
 
 
+def test_priority_preemption_with_drafts(tiny_qwen2) -> None:
+    """Priority scheduling picks victims anywhere in the running list: low-priority requests
+    running (with drafts) when urgent ones arrive are preempted after they were scheduled in
+    the same step, and their drafts must leave the step with them (else the worker looks up a
+    removed row, or drafts that never ran are rolled back). Tokens equal the run without
+    drafts; invariants hold after every step."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts()
+    late = len(prompts) // 2
+
+    def run(**kwargs):
+        llm = LLM(
+            str(tiny_qwen2),
+            dtype="float32",
+            max_model_len=128,
+            scheduling_policy="priority",
+            num_gpu_blocks_override=16,
+            block_size=8,
+            **kwargs,
+        )
+        engine = llm.llm_engine
+        done = {}
+
+        def step():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            engine.scheduler.check_invariants()
+
+        for i, prompt in enumerate(prompts[:late]):  # low priority, running first
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params, priority=5)
+        for _ in range(2):
+            step()
+        for i, prompt in enumerate(prompts[late:], late):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params, priority=0)
+        while engine.has_unfinished_requests():
+            step()
+        return [done[str(i)] for i in range(len(prompts))], engine.scheduler.num_preemptions
+
+    want, _ = run()
+    got, preemptions = run(speculative_config=NGRAM)
+    assert preemptions > 0
+    assert got == want
+
+
 def test_stops_are_checked_over_every_accepted_token(tiny_qwen2) -> None:
     plain = _greedy(tiny_qwen2)[0]
     llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, speculative_config=NGRAM)
