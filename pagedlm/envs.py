@@ -85,6 +85,13 @@ _VARS = [
         "Seconds the multiprocess executor waits for its workers to load the model.",
     ),
     EnvVar(
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        None,
+        str,
+        "How the mp executor starts workers: spawn (default; the user's script is not re-run, "
+        "so it needs no __main__ guard), fork or forkserver.",
+    ),
+    EnvVar(
         "PAGEDLM_RANK_FAILURE_GRACE",
         5.0,
         float,

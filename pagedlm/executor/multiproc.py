@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -116,6 +117,34 @@ def _sigint_deferred() -> Iterator[None]:
             previous(signal.SIGINT, frames[0])
         elif frames and previous == signal.SIG_DFL:
             raise KeyboardInterrupt
+
+
+def worker_start_method() -> str:
+    """VLLM_WORKER_MULTIPROC_METHOD when set (fork, spawn or forkserver), else spawn: forking
+    a process whose OpenMP threads have run can hang the child (GNU libgomp), and a spawned
+    worker never re-runs the user's script (`_hidden_main`), so none needs an
+    `if __name__ == "__main__":` guard."""
+    method = envs.VLLM_WORKER_MULTIPROC_METHOD or "spawn"
+    if method not in ("fork", "spawn", "forkserver"):
+        raise ValueError(f"VLLM_WORKER_MULTIPROC_METHOD={method!r}: use fork, spawn or forkserver.")
+    return method
+
+
+@contextlib.contextmanager
+def _hidden_main() -> Iterator[None]:
+    """While worker processes start, the main module shows neither a file nor a module name,
+    so spawn does not import it in the child (which would run a script's module-level
+    `LLM(...)` again): a worker needs nothing from it, callables travel by value."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            del main.__spec__
 
 
 def _die_with_parent() -> None:
@@ -214,7 +243,7 @@ class MultiprocExecutor(Executor):
     def _start_workers(self) -> None:
         world = self.parallel_config.world_size
         vllm_config = self.vllm_config
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(worker_start_method())
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
@@ -226,7 +255,8 @@ class MultiprocExecutor(Executor):
                 name=f"pagedlm-worker-{rank}",
                 daemon=True,
             )
-            process.start()
+            with _hidden_main():
+                process.start()
             child_conn.close()
             self.processes.append(process)
             self.conns.append(parent_conn)

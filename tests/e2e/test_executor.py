@@ -232,3 +232,44 @@ def test_data_parallel_example_equals_one_engine(tiny_qwen2, tmp_path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8)
     want = {str(i): o.outputs[0].text for i, o in enumerate(llm.generate(PROMPTS, params))}
     assert json.loads(out.read_text()) == want
+
+
+_NO_GUARD_SCRIPT = """
+import sys
+from pagedlm import LLM, SamplingParams
+
+# vLLM's examples/offline_inference/basic/basic.py shape: everything at module level
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=64, tensor_parallel_size=2)
+out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+print("TOKENS", *out[0].outputs[0].token_ids)
+"""
+
+
+@pytest.mark.parametrize("method", ["", "spawn", "forkserver"])
+def test_script_without_main_guard_starts_workers(tiny_qwen2, tmp_path, method) -> None:
+    """Spawned workers do not re-run the user's script (which would build the LLM again in
+    every worker); VLLM_WORKER_MULTIPROC_METHOD is honoured."""
+    script = tmp_path / "basic.py"
+    script.write_text(_NO_GUARD_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_WORKER_MULTIPROC_METHOD": method}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny_qwen2)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = LLM(str(tiny_qwen2), dtype="float32", max_model_len=64).generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )
+    line = [x for x in done.stdout.splitlines() if x.startswith("TOKENS")][0]
+    assert [int(t) for t in line.split()[1:]] == list(expected[0].outputs[0].token_ids)
+
+
+def test_bad_start_method_is_refused(monkeypatch) -> None:
+    from pagedlm.executor.multiproc import worker_start_method
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "thread")
+    with pytest.raises(ValueError, match="use fork, spawn or forkserver"):
+        worker_start_method()
