@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -104,10 +105,10 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         )
         max_len = self.model_config.max_model_len
         blocks_per_seq = cdiv(max_len, block_size)
+        budget = cache.kv_cache_memory_bytes
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
         else:
-            budget = cache.kv_cache_memory_bytes
             if budget is None:
                 budget = min(
                     self.model_executor.collective_rpc(
@@ -119,8 +120,8 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"The KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks), "
-                f"fewer than one sequence of max_model_len={max_len}. Increase "
-                "kv_cache_memory_bytes (or gpu_memory_utilization) or decrease max_model_len."
+                f"fewer than one sequence of max_model_len={max_len}. "
+                + self._kv_budget_advice(blocks_per_seq, blocks_per_seq * per_block, budget)
             )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for %d tokens per "
@@ -132,6 +133,26 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
             num_blocks / blocks_per_seq,
         )
         return num_blocks
+
+    def _kv_budget_advice(self, blocks_needed: int, bytes_needed: int, budget: int | None) -> str:
+        """Which option to raise, and to what, for one sequence of max_model_len to fit
+        (`budget`: the bytes a rank was given)."""
+        cache = self.cache_config
+        gib = f"{bytes_needed / 2**30:.2f} GiB"
+        if cache.num_gpu_blocks_override is not None:
+            return f"Raise num_gpu_blocks_override to at least {blocks_needed}."
+        if cache.kv_cache_memory_bytes is not None:
+            return f"Raise kv_cache_memory_bytes to at least {bytes_needed} ({gib})."
+        world = self.vllm_config.parallel_config.world_size
+        total = self.model_executor.collective_rpc("total_memory_bytes")[0]
+        utilization = cache.gpu_memory_utilization
+        raised = utilization + (bytes_needed - (budget or 0)) * world / total
+        raised = min(math.ceil(raised * 100) / 100, 1.0)
+        return (
+            f"It needs {gib} per rank: pass kv_cache_memory_bytes={bytes_needed}, raise "
+            f"gpu_memory_utilization from {utilization} to at least {raised} (if that much "
+            "memory is free), or lower max_model_len."
+        )
 
     # ---------------------------------------------------------------- requests
     def get_tokenizer(self) -> Any:

@@ -118,9 +118,16 @@ class CpuPlatform(Platform):
         prepacked one; AVX-512 BF16 reads its own blocked copy (`small_batch_weight`)."""
         return self._small_batch_isa(weight) in _DENSE_WEIGHT_ISAS
 
-    def kv_cache_budget_bytes(self, utilization: float) -> int:
-        """`utilization` of total RAM minus what this process already holds, as vLLM-CPU does."""
+    def kv_cache_budget_bytes(self, utilization: float, model_bytes: int) -> int:
+        """`utilization` of total RAM minus this engine's model, within 90% of what is free:
+        other engines in the process (vLLM's tests make several) or the interpreter's own
+        memory do not count against it."""
         vm = psutil.virtual_memory()
-        rss = psutil.Process().memory_info().rss
-        budget = int(vm.total * utilization) - rss
+        budget = int(vm.total * utilization) - model_bytes
         return max(0, min(budget, int(vm.available * 0.9)))
+
+    def memory_in_use_bytes(self) -> int:
+        return psutil.Process().memory_info().rss
+
+    def total_memory_bytes(self) -> int:
+        return psutil.virtual_memory().total

@@ -19,10 +19,16 @@ class CudaPlatform(Platform):
             return torch.bfloat16 if self.supports_bf16() else torch.float16
         return super().default_dtype(checkpoint_dtype)
 
-    def kv_cache_budget_bytes(self, utilization: float) -> int:
-        free, total = torch.cuda.mem_get_info()
+    def kv_cache_budget_bytes(self, utilization: float, model_bytes: int) -> int:
+        free, total = torch.cuda.mem_get_info()  # the device's own count of what is used
         used = total - free
         return max(0, int(total * utilization) - used)
+
+    def memory_in_use_bytes(self) -> int:
+        return torch.cuda.memory_allocated()
+
+    def total_memory_bytes(self) -> int:
+        return torch.cuda.mem_get_info()[1]
 
     def zeros_lazy(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device="cuda")

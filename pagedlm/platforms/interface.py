@@ -34,8 +34,17 @@ class Platform:
     def setup_threads(self, cpu_ids: list[int] | None = None) -> None:
         """Called before the model is built; a worker process passes the CPUs it owns."""
 
-    def kv_cache_budget_bytes(self, utilization: float) -> int:
-        """Bytes the KV cache may use when `kv_cache_memory_bytes` is not given."""
+    def kv_cache_budget_bytes(self, utilization: float, model_bytes: int) -> int:
+        """Bytes the KV cache may use when `kv_cache_memory_bytes` is not given: `utilization`
+        of the device's memory less what is in use (`model_bytes`: what this engine's model
+        took when it was loaded)."""
+        raise NotImplementedError
+
+    def memory_in_use_bytes(self) -> int:
+        """Memory this process holds on the device (the RSS on a CPU)."""
+        raise NotImplementedError
+
+    def total_memory_bytes(self) -> int:
         raise NotImplementedError
 
     def zeros_lazy(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -35,6 +35,7 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
         self.distributed_init_method = distributed_init_method
         self.cpu_ids = cpu_ids
         self.model_runner: ModelRunner | None = None
+        self.model_memory_bytes = 0  # what loading the model added to this process
         self.weight_transfer_engine: Any = None
         self._weight_update_active = False
         self._profiler: Any = None
@@ -54,7 +55,9 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
         current_platform.seed_everything(self.vllm_config.model_config.seed)
 
     def load_model(self) -> None:
+        before = current_platform.memory_in_use_bytes()
         self.model_runner = ModelRunner(self.vllm_config, current_platform.device)
+        self.model_memory_bytes = max(0, current_platform.memory_in_use_bytes() - before)
 
     def _runner(self) -> ModelRunner:
         assert self.model_runner is not None, "load_model() first"
@@ -67,7 +70,10 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
     def determine_available_memory(self, utilization: float) -> int:
         """Bytes this rank may give its KV cache; ranks on one host share its memory."""
         world = self.vllm_config.parallel_config.world_size
-        return current_platform.kv_cache_budget_bytes(utilization / world)
+        return current_platform.kv_cache_budget_bytes(utilization / world, self.model_memory_bytes)
+
+    def total_memory_bytes(self) -> int:
+        return current_platform.total_memory_bytes()
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._runner().initialize_kv_cache(num_blocks, block_size)

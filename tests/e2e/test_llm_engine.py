@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedlm import EngineArgs, LLMEngine, SamplingParams
+from pagedlm import LLM, EngineArgs, LLMEngine, SamplingParams
 from pagedlm.engine.arg_utils import FlexibleArgumentParser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,3 +190,25 @@ def test_llm_engine_example_runs(tiny_qwen2) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("RequestOutput(request_id=") == 3
     assert "prompt_logprobs=[None, {" in result.stdout
+
+
+def test_kv_budget_counts_the_engines_model_not_the_process(tiny_qwen2) -> None:
+    """gpu_memory_utilization takes that share of RAM less this engine's model, so a process
+    that already holds memory (another LLM, a dataset; vLLM's tests make several engines at
+    utilizations 0.1-0.5) still gets a cache; a budget too small names what to raise."""
+    held = torch.ones(2**30, dtype=torch.uint16)  # 2 GiB in this process, touched
+    engines = [
+        LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, gpu_memory_utilization=0.1)
+        for _ in range(2)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    outs = [llm.generate([[5, 6, 7]], params, use_tqdm=False) for llm in engines]
+    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+    assert all(llm.llm_engine.cache_config.num_gpu_blocks > 8 for llm in engines)
+    del held
+    with pytest.raises(ValueError, match="Raise kv_cache_memory_bytes to at least"):
+        LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, kv_cache_memory_bytes=1000)
+    with pytest.raises(ValueError, match=r"raise gpu_memory_utilization from 1e-07 to at least"):
+        LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, gpu_memory_utilization=1e-7)
+    with pytest.raises(ValueError, match="Raise num_gpu_blocks_override to at least 8"):
+        LLM(str(tiny_qwen2), dtype="float32", max_model_len=128, num_gpu_blocks_override=2)
