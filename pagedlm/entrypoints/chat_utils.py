@@ -12,8 +12,29 @@ import jinja2
 
 from pagedlm.inputs import TokensPrompt
 
+CONTENT_FORMATS = ("auto", "string", "openai")
 
-def _validate(conversation: Any) -> list[dict[str, Any]]:
+
+def detect_content_format(template: str | None) -> str:
+    """vLLM's "auto": "openai" when the template loops over a message's content (it expects a
+    list of parts), else "string"."""
+    if not isinstance(template, str) or not template:
+        return "string"
+    try:
+        ast = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"  # rendering reports it
+    for loop in ast.find_all(jinja2.nodes.For):
+        nodes = [loop.iter, *loop.iter.find_all(jinja2.nodes.Node)]
+        words = {getattr(n, key, None) for n in nodes for key in ("name", "value", "attr")}
+        if "content" in words:
+            return "openai"
+    return "string"
+
+
+def _validate(conversation: Any, content_format: str = "string") -> list[dict[str, Any]]:
+    """Messages with their content as a string ("string": text parts joined by newlines) or
+    as a list of text parts ("openai")."""
     if not isinstance(conversation, list) or not conversation:
         raise ValueError("A conversation must be a non-empty list of message dicts.")
     out = []
@@ -30,9 +51,12 @@ def _validate(conversation: Any) -> list[dict[str, Any]]:
                         f"supported, got {part!r:.100}"
                     )
                 texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
+            content = "\n".join(texts) if content_format == "string" else content
+            message = {**message, "content": content}
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"Message {i}: content must be a string or a list of parts.")
+        elif content is not None and content_format == "openai":
+            message = {**message, "content": [{"type": "text", "text": content}]}
         out.append(message)
     return out
 
@@ -46,8 +70,19 @@ def render_conversations(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_content_format: str = "auto",
 ) -> list[TokensPrompt]:
     """One conversation (a list of dicts) or a list of them -> token prompts."""
+    if chat_template_content_format not in CONTENT_FORMATS:
+        raise ValueError(
+            f"chat_template_content_format must be one of {CONTENT_FORMATS}, got "
+            f"{chat_template_content_format!r}."
+        )
+    content_format = chat_template_content_format
+    if content_format == "auto":
+        content_format = detect_content_format(
+            chat_template or getattr(tokenizer, "chat_template", None)
+        )
     if add_generation_prompt and continue_final_message:
         raise ValueError(
             "continue_final_message and add_generation_prompt are not compatible. Use "
@@ -61,7 +96,7 @@ def render_conversations(
     for conversation in conversations:
         try:
             text = tokenizer.apply_chat_template(
-                _validate(conversation),
+                _validate(conversation, content_format),
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -189,6 +189,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         prompts = self._render_chat(
             messages,
             chat_template,
+            chat_template_content_format,
             add_generation_prompt,
             continue_final_message,
             tools,
@@ -224,6 +225,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         prompts = self._render_chat(
             messages,
             chat_template,
+            chat_template_content_format,
             add_generation_prompt,
             continue_final_message,
             tools,
@@ -237,15 +239,19 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         self,
         messages: Any,
         chat_template: str | None,
+        content_format: str,
         add_generation_prompt: bool,
         continue_final_message: bool,
         tools: list[dict[str, Any]] | None,
         chat_template_kwargs: dict[str, Any] | None,
     ) -> list[Any]:
+        """Conversations -> token prompts, with the call's template, else LLM(chat_template=),
+        else the tokenizer's."""
         return render_conversations(
             self.get_tokenizer(),
             messages,
-            chat_template=chat_template,
+            chat_template=chat_template or self.chat_template,
+            chat_template_content_format=content_format,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,

@@ -173,3 +173,36 @@ def test_model_config_eos_stops_without_generation_config(tiny_model_factory, tm
     first = tokens[0].outputs[0].token_ids.index(stop_at)
     assert out[0].outputs[0].token_ids == tokens[0].outputs[0].token_ids[: first + 1]
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+_PARTS_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{% for p in m['content'] %}[{{ p.text }}]"
+    "{% endfor %}{% endfor %}<assistant>"
+)
+_STRING_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+def test_chat_template_at_construction_and_content_formats(tiny_qwen2) -> None:
+    """LLM(chat_template=...) is the default template of chat(); a call's template wins.
+    chat_template_content_format: "string" joins text parts, "openai" passes them as a list,
+    "auto" picks "openai" for a template that loops over a message's content, as vLLM does."""
+    llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=64, chat_template=_STRING_TEMPLATE)
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    plain = [{"role": "user", "content": "hi"}]
+
+    def prompt(messages, **kwargs) -> str:
+        out = llm.chat(messages, GREEDY, use_tqdm=False, **kwargs)
+        return out[0].prompt
+
+    assert prompt(plain) == "<user>hi<assistant>"
+    assert prompt(parts) == "<user>a\nb<assistant>"
+    assert prompt(parts, chat_template=_PARTS_TEMPLATE) == "<user>[a][b]<assistant>"  # auto
+    assert prompt(plain, chat_template=_PARTS_TEMPLATE) == "<user>[hi]<assistant>"
+    assert (
+        prompt(parts, chat_template=_PARTS_TEMPLATE, chat_template_content_format="string")
+        == "<user>[][][]<assistant>"  # the loop walks the characters of "a\nb"
+    )
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        prompt(plain, chat_template_content_format="markdown")
