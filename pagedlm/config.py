@@ -217,6 +217,11 @@ class StructuredOutputsConfig:
                 f"structured_outputs_config backend {config.backend!r} is not available; "
                 f"pagedlm supports {', '.join(STRUCTURED_OUTPUT_BACKENDS)}."
             )
+        if config.reasoning_parser or config.enable_in_reasoning:
+            raise NotImplementedError(
+                "structured_outputs_config reasoning_parser / enable_in_reasoning are not "
+                "supported by pagedlm yet (it has no reasoning parsers); leave them unset."
+            )
         return config
 
 
@@ -388,5 +393,4 @@ class VllmConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
-    device: str = field(default_factory=lambda: envs.PAGEDLM_DEVICE)
     lora_config: LoRAConfig | None = None  # None: LoRA disabled

@@ -41,6 +41,7 @@ class AsyncLLM:
         vllm_config: VllmConfig,
         log_stats: bool = True,
         stat_loggers: list[Any] | None = None,
+        log_requests: bool = False,
         **_: Any,
     ) -> None:
         self.engine = LLMEngine(vllm_config, log_stats=log_stats or bool(stat_loggers))
@@ -50,6 +51,7 @@ class AsyncLLM:
         self.vllm_config = vllm_config
         self.model_config = self.engine.model_config
         self.log_stats = log_stats
+        self.log_requests = log_requests  # vLLM's enable_log_requests: each add and abort
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedlm-step")
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._engine_lock: asyncio.Lock | None = None
@@ -72,7 +74,12 @@ class AsyncLLM:
         **kwargs: Any,
     ) -> AsyncLLM:
         config = engine_args.create_engine_config()
-        return cls(config, log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
+        return cls(
+            config,
+            log_stats=not engine_args.disable_log_stats,
+            stat_loggers=stat_loggers,
+            log_requests=getattr(engine_args, "enable_log_requests", False),
+        )
 
     @classmethod
     def from_vllm_config(
@@ -233,6 +240,8 @@ class AsyncLLM:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         async with self._lock():
             self.engine.abort_request(ids, internal=internal)
+        if self.log_requests:
+            logger.info("Aborted request(s) %s", ", ".join(ids))
         for rid in ids:
             self._end_aborted(rid)
 
@@ -294,8 +303,6 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id} is already in use by a running request.")
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
-            raise NotImplementedError("Multimodal inputs are not supported by pagedlm yet.")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         async with self._lock():
             self.engine.add_request(
@@ -308,6 +315,8 @@ class AsyncLLM:
                 prompt_text=prompt_text,
             )
             self._queues[request_id] = queue
+        if self.log_requests:
+            logger.info("Added request %s, params: %s", request_id, params)
         self._start_loop()
         assert self._has_work is not None
         self._has_work.set()

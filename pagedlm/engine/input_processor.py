@@ -77,6 +77,11 @@ class InputProcessor:
         cache_salt = None
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
+            if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
+                raise NotImplementedError(
+                    "Multimodal prompts (multi_modal_data, mm_processor_kwargs) are not "
+                    "supported by pagedlm yet."
+                )
             if "prompt_token_ids" in prompt:
                 token_ids = _check_token_ids(prompt["prompt_token_ids"])
                 return prompt.get("prompt"), token_ids, cache_salt
@@ -232,6 +237,16 @@ class InputProcessor:
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}")
         params.check_types()  # again: fields may have been set after construction
         params._verify_args()
+        if params.thinking_token_budget is not None:
+            raise NotImplementedError(
+                "SamplingParams.thinking_token_budget is not supported by pagedlm yet (it needs "
+                "a reasoning parser); leave it None."
+            )
+        if params.repetition_detection is not None and params.repetition_detection.max_pattern_size:
+            raise NotImplementedError(
+                "SamplingParams.repetition_detection is not supported by pagedlm yet; leave it "
+                "None (or max_pattern_size=0)."
+            )
         if params.seed is not None and not -(2**63) <= params.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {params.seed}.")
         params.verify(

@@ -46,6 +46,13 @@ def _speculative_aliases(kwargs: dict[str, Any]) -> None:
         kwargs["speculative_config"] = {**(kwargs.get("speculative_config") or {}), **given}
 
 
+def _refuse_mm_processor_kwargs(mm_processor_kwargs: dict[str, Any] | None) -> None:
+    if mm_processor_kwargs:
+        raise NotImplementedError(
+            "mm_processor_kwargs: multimodal inputs are not supported by pagedlm yet."
+        )
+
+
 class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
     """An offline engine: `LLM(model, **engine_args)`; every option is keyword-only."""
 
@@ -141,6 +148,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        _refuse_mm_processor_kwargs(mm_processor_kwargs)
         self._check_generate("LLM.generate()")
         self.llm_engine.check_can_generate()
         self._add_requests(
@@ -159,6 +167,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """Add requests without running them; `wait_for_completion()` runs everything queued."""
+        _refuse_mm_processor_kwargs(mm_processor_kwargs)
         if self.runner_type != "generate":
             raise ValueError("LLM.enqueue() is only supported for generative models.")
         return self._add_requests(
@@ -185,6 +194,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        _refuse_mm_processor_kwargs(mm_processor_kwargs)
         self._check_generate("LLM.chat()")
         prompts = self._render_chat(
             messages,
@@ -220,6 +230,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """`enqueue` for conversations: rendered now, run by `wait_for_completion()`."""
+        _refuse_mm_processor_kwargs(mm_processor_kwargs)
         if self.runner_type != "generate":
             raise ValueError("LLM.enqueue_chat() is only supported for generative models.")
         prompts = self._render_chat(

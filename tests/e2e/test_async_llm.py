@@ -227,3 +227,22 @@ def test_sleep_and_wake_up(tiny_qwen2) -> None:
 
     assert asyncio.run(main()).outputs[0].token_ids == want
     engine.shutdown()
+
+
+def test_enable_log_requests_logs_adds_and_aborts(tiny_qwen2, caplog) -> None:
+    engine = _engine(tiny_qwen2, enable_log_requests=True)
+
+    async def main():
+        await _final(engine, PROMPTS[0], _greedy(), "logged")
+        await engine.abort("gone")
+
+    with caplog.at_level("INFO", logger="pagedlm.engine.async_llm"):
+        asyncio.run(main())
+    assert "Added request logged" in caplog.text and "Aborted request(s) gone" in caplog.text
+    engine.shutdown()
+    quiet = _engine(tiny_qwen2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pagedlm.engine.async_llm"):
+        asyncio.run(_final(quiet, PROMPTS[0], _greedy(), "quiet"))
+    assert "Added request" not in caplog.text
+    quiet.shutdown()

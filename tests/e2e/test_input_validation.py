@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.sampling_params import RequestOutputKind
+from pagedlm.sampling_params import RepetitionDetectionParams, RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 PROMPT = [5, 6, 7]
@@ -229,3 +229,45 @@ def test_lora_errors_carry_no_terminal_colour_codes() -> None:
 
     error = _fail(LoRARequest("a", 1, "/x"), "\x1b[31mcannot read\x1b[0m the weights")
     assert str(error) == "LoRA adapter 'a' (/x): cannot read the weights"
+
+
+REFUSED = [
+    (lambda llm: llm.generate([PROMPT], SamplingParams(thinking_token_budget=10)), "thinking"),
+    (
+        lambda llm: llm.generate(
+            [PROMPT],
+            SamplingParams(
+                repetition_detection=RepetitionDetectionParams(max_pattern_size=3, min_count=2)
+            ),
+        ),
+        "repetition_detection",
+    ),
+    (
+        lambda llm: llm.generate({"prompt": "a", "multi_modal_data": {"image": object()}}),
+        "Multimodal prompts",
+    ),
+    (lambda llm: llm.generate([PROMPT], GREEDY, mm_processor_kwargs={"a": 1}), "mm_processor"),
+    (lambda llm: llm.chat([{"role": "user", "content": "hi"}], mm_processor_kwargs={"a": 1}), "mm"),
+]
+
+
+@pytest.mark.parametrize("call,match", REFUSED)
+def test_features_pagedlm_lacks_are_refused_by_name(llm, reference, call, match) -> None:
+    """Options vLLM has and pagedlm cannot honour raise NotImplementedError naming them
+    (they were accepted and ignored); the engine serves on."""
+    with pytest.raises(NotImplementedError, match=match):
+        call(llm)
+    _assert_serving(llm, reference)
+
+
+def test_reasoning_parser_and_device_are_refused_by_name(monkeypatch) -> None:
+    from pagedlm.config import StructuredOutputsConfig
+    from pagedlm.platforms import _detect
+
+    with pytest.raises(NotImplementedError, match="reasoning_parser"):
+        StructuredOutputsConfig.from_any({"reasoning_parser": "deepseek_r1"})
+    monkeypatch.setenv("PAGEDLM_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="PAGEDLM_DEVICE='tpu': use auto, cpu or cuda"):
+        _detect()
+    monkeypatch.setenv("PAGEDLM_DEVICE", "cpu")
+    assert type(_detect()).__name__ == "CpuPlatform"
