@@ -25,10 +25,22 @@ from pagedlm.pooling_params import PoolingParams
 if TYPE_CHECKING:
     from pagedlm.engine.llm_engine import LLMEngine
 
+_EMBED_ERROR = (
+    "Embedding API is not supported by this model. Try converting the model using "
+    "`--convert embed`."
+)
+_CLASSIFY_ERROR = (
+    "Classification API is not supported by this model. Try converting the model using "
+    "`--convert classify`."
+)
+# vLLM's messages (its pooling tests match them) for a task the model lacks
 _TASK_ERRORS = {
-    "embed": "Embedding API is not supported by this model. Try converting the model using "
-    "`--convert embed`.",
-    "classify": "Classification API is not supported by this model. Try `--convert classify`.",
+    "embed": _EMBED_ERROR,
+    "token_embed": _EMBED_ERROR,
+    "classify": _CLASSIFY_ERROR,
+    "token_classify": _CLASSIFY_ERROR,
+    "plugin": "No IOProcessor plugin installed. Please refer to the documentation and to the "
+    "'prithvi_geospatial_mae_io_processor' offline inference example for more details.",
 }
 
 
@@ -61,6 +73,14 @@ class PoolingMixin:
                 "pooling_task='embed' | 'classify'."
             )
         supported = self.llm_engine.get_supported_tasks()
+        if isinstance(prompts, dict) and "data" in prompts:  # an IO-processor plugin's input
+            raise ValueError(_TASK_ERRORS["plugin"])
+        base_task = pooling_task.removeprefix("token_")
+        if base_task != pooling_task and base_task in supported:
+            raise NotImplementedError(
+                f"pooling_task={pooling_task!r} (one output per token) is not supported by "
+                f"pagedlm yet; pooling_task={base_task!r} pools each prompt."
+            )
         if pooling_task not in supported:
             raise ValueError(_TASK_ERRORS.get(pooling_task, f"Unsupported task: {pooling_task!r}"))
         if pooling_params is None:

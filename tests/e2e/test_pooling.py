@@ -61,6 +61,14 @@ def test_matryoshka_dimensions_and_misuse(minilm) -> None:
         minilm.encode("hello")
     with pytest.raises(ValueError, match="Classification API is not supported"):
         minilm.classify("hello", use_tqdm=False)
+    # vLLM's messages for the token-level tasks and IO-processor plugins
+    for task in ("token_classify", "classify"):
+        with pytest.raises(ValueError, match="using `--convert classify`"):
+            minilm.encode("hello", pooling_task=task, use_tqdm=False)
+    with pytest.raises(NotImplementedError, match="'token_embed' .one output per token"):
+        minilm.encode("hello", pooling_task="token_embed", use_tqdm=False)
+    with pytest.raises(ValueError, match="No IOProcessor plugin installed"):
+        minilm.encode({"data": [1, 2], "data_format": "url"}, pooling_task="plugin")
     raw = minilm.embed("hello", pooling_params=PoolingParams(normalize=False), use_tqdm=False)
     assert torch.tensor(raw[0].outputs.embedding).norm() > 1.5
 
