@@ -22,6 +22,22 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    # vLLM's platform predicates (scripts and tests branch on them)
+    def is_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def is_tpu(self) -> bool:
+        return False
+
     def supports_bf16(self) -> bool:
         return True
 

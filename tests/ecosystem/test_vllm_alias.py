@@ -40,6 +40,12 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
         from vllm.exceptions import VLLMValidationError
         from vllm.logprobs import Logprob
+        from vllm.platforms import current_platform
+        from vllm.tasks import PoolingTask, SupportedTask
+        from vllm.config import AttentionConfig, StructuredOutputsConfig, CompilationConfig
+        import vllm.attention
+        from vllm.benchmarks.datasets import get_samples
+        import pagedlm.platforms, pagedlm.config
         import pagedlm.engine.async_llm as a, pagedlm.outputs as o, pagedlm.lora.request as lr
 
         same = [
@@ -49,6 +55,8 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             vllm.outputs.PoolingRequestOutput is o.PoolingRequestOutput,
             vllm.sampling_params.SamplingParams is SamplingParams,
             LoRARequest is lr.LoRARequest,
+            current_platform is pagedlm.platforms.current_platform, current_platform.is_cpu(),
+            StructuredOutputsConfig is pagedlm.config.StructuredOutputsConfig,
         ]
         llm = LLM({str(tiny_qwen2)!r}, dtype="float32", max_model_len=64)
         outs = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
@@ -63,6 +71,9 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             ("impl", lambda: LLM({str(tiny_qwen2)!r}, model_impl="transformers")),
             ("ext_tp", lambda: LLM({str(tiny_qwen2)!r}, tensor_parallel_size=2,
                 distributed_executor_backend="external_launcher")),
+            ("attention_config", lambda: AttentionConfig(backend="FLASH_ATTN")),
+            ("attention", lambda: vllm.attention.AttentionBackendEnum),
+            ("samples", lambda: get_samples(None, None)),
         ]:
             try:
                 call()
@@ -95,6 +106,11 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
     assert errs["nccl"].startswith("ValueError: Invalid weight transfer backend: 'nccl'")
     assert errs["impl"].startswith("NotImplementedError: model_impl='transformers'")
     assert errs["missing"].startswith("AttributeError: vllm.initialize_ray_cluster is not provided")
+    assert errs["attention_config"].startswith(
+        "NotImplementedError: vllm.config.AttentionConfig is not provided by pagedlm"
+    )
+    assert errs["attention"].startswith("AttributeError: pagedlm's vllm alias has no vllm.att")
+    assert errs["samples"].startswith("NotImplementedError: vllm.benchmarks.datasets.get_samp")
 
 
 @pytest.mark.slow

@@ -1,0 +1,1 @@
+"""vllm.benchmarks: pagedlm's benchmarks live in its repository's benchmarks/ folder."""
