@@ -271,3 +271,10 @@ def test_reasoning_parser_and_device_are_refused_by_name(monkeypatch) -> None:
         _detect()
     monkeypatch.setenv("PAGEDLM_DEVICE", "cpu")
     assert type(_detect()).__name__ == "CpuPlatform"
+
+
+def test_attention_config_at_vllms_default_is_accepted() -> None:
+    """vLLM's pooling test fixtures pass attention_config=None; a real config is refused."""
+    assert EngineArgs(attention_config=None).attention_config is None
+    with pytest.raises(NotImplementedError, match="attention_config="):
+        EngineArgs(attention_config={"backend": "FLASH_ATTN"})
