@@ -6,7 +6,6 @@ that do not fit `max_model_len`, invalid sampling parameters.
 
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pagedlm.config import ModelConfig
 from pagedlm.exceptions import VLLMValidationError
 from pagedlm.pooling_params import PoolingParams
+from pagedlm.sampling_options import is_int
 from pagedlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def _check_token_ids(token_ids: Any) -> list[int]:
     if not isinstance(token_ids, list | tuple):
         raise TypeError(f"prompt_token_ids must be a list of ints, got {type(token_ids).__name__}.")
     for i, t in enumerate(token_ids):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        if not is_int(t):
             raise TypeError(
                 f"prompt token ids must be ints, got {type(t).__name__} {t!r:.20} at position {i}."
             )
@@ -233,8 +233,8 @@ class InputProcessor:
         )
 
     def prepare_sampling_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"Expected SamplingParams, got {type(params).__name__}")
+        """Engine-time checks of a SamplingParams (process_inputs checked its type) and the
+        engine's copy of it, completed from the model's generation config."""
         params.check_types()  # again: fields may have been set after construction
         params._verify_args()
         if params.thinking_token_budget is not None:

@@ -46,8 +46,9 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
     from safetensors import SafetensorError, safe_open
 
     model_dir = Path(model_dir)
-    if not list(model_dir.glob("*.safetensors")) and _pt_files(model_dir):
-        yield from _iterate_pt(_pt_files(model_dir))
+    pt_files = _pt_files(model_dir)
+    if pt_files and not any(model_dir.glob("*.safetensors")):
+        yield from _iterate_pt(pt_files)
         return
     for path in safetensors_files(model_dir):
         try:
