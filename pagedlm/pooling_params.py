@@ -23,6 +23,14 @@ _TASK_FIELDS = {
     "token_classify": ("use_activation",),
 }
 
+_UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "step_tag_id": (None, "step pooling (process reward models)"),
+    "returned_token_ids": (None, "step pooling (process reward models)"),
+    "requires_token_ids": (False, "a pooler reading token ids"),
+    "late_interaction_params": (None, "late-interaction (ColBERT MaxSim) scoring"),
+}
+"""vLLM fields a PoolingParams may carry only at their default (refused by name otherwise)."""
+
 
 @dataclass
 class PoolingParams:
@@ -42,10 +50,17 @@ class PoolingParams:
     task: str | None = None
     requires_token_ids: bool = False
     skip_reading_prefix_cache: bool | None = None
+    late_interaction_params: Any = None
     extra_kwargs: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
+        for name, (default, why) in _UNSUPPORTED_FIELDS.items():
+            if getattr(self, name) != default:
+                raise NotImplementedError(
+                    f"PoolingParams.{name}={getattr(self, name)!r:.60}: {why} is not supported "
+                    f"by pagedlm yet; leave it {default!r}."
+                )
         legacy = self.normalize if self.normalize is not None else self.softmax
         if self.use_activation is None and legacy is not None:
             self.use_activation = legacy

@@ -93,9 +93,21 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True  # when decoding each beam's text
+    watermarking: bool | None = None
 
     def __post_init__(self) -> None:
         verify_num_sequences(self.beam_width, "beam_width")
+        if self.structured_outputs is not None:
+            raise NotImplementedError(
+                "BeamSearchParams.structured_outputs is not supported by pagedlm yet; use "
+                "LLM.generate with SamplingParams(structured_outputs=...) instead."
+            )
+        if self.watermarking:
+            raise NotImplementedError(
+                "BeamSearchParams.watermarking=True: pagedlm applies no watermark; leave it None."
+            )
 
 
 def verify_num_sequences(value: Any, name: str) -> None:
@@ -250,3 +262,44 @@ def check_field_types(params: Any) -> None:
         value = getattr(params, name)
         if value is not None and not isinstance(value, kind):
             _wrong_type(name, f"a {kind.__name__} or None", value)
+
+
+_UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "thinking_token_budget": ((None,), "it needs a reasoning parser"),
+    "watermarking": ((None, False), "pagedlm applies no watermark"),
+    "prompt_logprob_token_ids": ((None,), "vLLM itself needs its V2 model runner for it"),
+    "prompt_logprob_start": ((None,), "it selects rows for prompt_logprob_token_ids"),
+    "stream_interval": ((None, 1), "every step's tokens are streamed"),
+    "trace_decode_token_ids": ((None,), "decode tracing is not implemented"),
+    "routed_experts_prompt_start": ((0,), "pagedlm has no mixture-of-experts models"),
+}
+"""SamplingParams fields a request may carry only at these values (vLLM's default first)."""
+
+
+def same_value(value: Any, accepted: Any) -> bool:
+    """``value == accepted``, keeping True apart from 1 and False from 0 (arrays never equal)."""
+    if value is accepted:
+        return True
+    if isinstance(value, bool) or isinstance(accepted, bool) or accepted is None:
+        return False
+    try:
+        return bool(value == accepted)
+    except (TypeError, ValueError):  # an array compares elementwise
+        return False
+
+
+def check_unsupported_fields(params: Any) -> None:
+    """NotImplementedError naming the first vLLM field pagedlm cannot honour at its value."""
+    for name, (accepted, why) in _UNSUPPORTED_FIELDS.items():
+        value = getattr(params, name)
+        if not any(same_value(value, a) for a in accepted):
+            raise NotImplementedError(
+                f"SamplingParams.{name}={value!r:.60} is not supported by pagedlm yet ({why}); "
+                f"leave it {' or '.join(map(repr, accepted))}."
+            )
+    detection = params.repetition_detection
+    if detection is not None and detection.max_pattern_size:
+        raise NotImplementedError(
+            "SamplingParams.repetition_detection is not supported by pagedlm yet; leave it "
+            "None (or max_pattern_size=0)."
+        )

@@ -123,6 +123,14 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     repetition_detection: RepetitionDetectionParams | None = None
     routed_experts_prompt_start: int = 0
+    # vLLM fields pagedlm refuses (unless at their default) when a request uses them:
+    # sampling_options.check_unsupported_fields
+    watermarking: bool | None = None
+    prompt_logprob_token_ids: Any = None
+    prompt_logprob_start: int | None = None
+    stream_interval: int | None = None
+    trace_decode_token_ids: Any = None
+    logits_processors: Any = None  # vLLM v0's; not in v1: a ValueError saying what replaced it
 
     @staticmethod
     def from_optional(
@@ -157,6 +165,11 @@ class SamplingParams:
         repetition_detection: RepetitionDetectionParams | None = None,
         logprob_token_ids: list[int] | None = None,
         routed_experts_prompt_start: int = 0,
+        watermarking: bool | None = None,
+        prompt_logprob_token_ids: Any = None,
+        prompt_logprob_start: int | None = None,
+        stream_interval: int | None = None,
+        trace_decode_token_ids: Any = None,
     ) -> SamplingParams:
         """Like the constructor, but None for n/penalties/temperature/top_p means the default.
 
@@ -174,6 +187,12 @@ class SamplingParams:
             if getattr(self, name) is None:
                 setattr(self, name, default)
         self.check_types()
+        if self.logits_processors is not None:
+            raise ValueError(
+                "SamplingParams(logits_processors=...) is vLLM v0's: v1 (and pagedlm) have no "
+                "per-request logits processors. Use logit_bias, allowed_token_ids, bad_words, "
+                "min_tokens or structured_outputs, which run inside the sampler."
+            )
         if 0 < self.temperature < _MAX_TEMP:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors nan or inf in "

@@ -1,12 +1,15 @@
 """EngineArgs: every engine option, as a dataclass, as `LLM(**kwargs)` and as CLI flags.
 
 `LLM(**kwargs)` and `pagedlm ... --flags` both build EngineArgs, so an option exists in one place.
-Unknown keyword arguments raise TypeError (the dataclass constructor does it).
+Every field vLLM's EngineArgs has exists here: pagedlm's own below, the rest from
+`vllm_only_args` (accepted at vLLM's default, refused by name otherwise). Names vLLM lacks raise
+TypeError (the dataclass constructor does it).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -14,7 +17,7 @@ import os
 import re
 import sys
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedlm import envs
@@ -33,6 +36,7 @@ from pagedlm.config import (
     derive_max_model_len,
     resolve_dtype,
 )
+from pagedlm.engine.vllm_only_args import VLLM_ONLY_ENGINE_ARGS, check_vllm_only_args
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ _HELP: dict[str, str] = {
     "disable_log_stats": "Do not keep metrics.",
     "generation_config": "auto (the model's generation_config.json), vllm (neutral) or a folder.",
     "override_generation_config": "JSON dict merged over the generation config.",
-    "enforce_eager": "Run the model eagerly (no torch.compile).",
+    "enforce_eager": "Accepted either way: pagedlm's CPU kernels always run eagerly.",
     "load_format": "auto, safetensors, gguf or dummy (random weights).",
     "quantization": "gguf (GGUF files: blocks kept packed, integer kernels; their default) or "
     "int8 (weight-only, per-channel, for bf16/fp32 checkpoints).",
@@ -89,25 +93,30 @@ _HELP: dict[str, str] = {
     "logprobs_mode": "raw_logprobs, raw_logits, processed_logprobs or processed_logits.",
     "structured_outputs_config": "JSON dict: backend (auto/xgrammar), disable_any_whitespace, ...",
     "return_sampling_mask": "Return, per sampled token, the token ids that survived sampling.",
+    "served_model_name": "The model name run-batch writes in its responses (default: --model).",
+    "spec_method": "Shorthand for speculative_config's method (ngram, draft_model).",
+    "spec_model": "Shorthand for speculative_config's draft model.",
+    "spec_tokens": "Shorthand for speculative_config's num_speculative_tokens.",
 }
 # Values accepted for options whose other values vLLM has but pagedlm refuses by name.
 _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
-    "enforce_eager": (True,),
+    "enforce_eager": (True, False),  # vLLM's default False compiles; pagedlm is always eager
     "prefix_caching_hash_algo": ("sha256",),
     "async_scheduling": (None, False),
     "distributed_executor_backend": (None, "uni", "mp", "external_launcher"),
     "quantization": (None, "gguf", "int8"),
     "compilation_config": (None, 0, {}),
     "model_impl": ("auto", "vllm"),
+    "tokenizer_mode": ("auto", "hf", "slow"),  # vLLM's mistral / custom tokenizers are not here
 }
 
-# Options vLLM has that we accept only at their default value; anything else is rejected clearly.
-_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "pipeline_parallel_size": 1,
-    "cpu_offload_gb": 0,
-    "enable_prompt_embeds": False,
-    "attention_config": None,  # vLLM's pooling test fixtures pass None explicitly
-}
+
+def _parse_cli_value(value: str) -> Any:
+    """A hidden vLLM-only flag's value: JSON where it parses (true, 3, {...}), else the string."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def _parse_size(value: str) -> int:
@@ -127,7 +136,21 @@ _POSITIVE_INT_FIELDS = (
 """Sizes given as ints of at least 1 (None: derived); max_logprobs also takes 0 and -1."""
 
 
+def _with_vllm_only_fields(cls: type) -> type:
+    """Append every `VLLM_ONLY_ENGINE_ARGS` name as a field defaulting to vLLM's value (after
+    pagedlm's own fields, so positional use and the CLI of those are unchanged)."""
+    for name, (accepted, _) in VLLM_ONLY_ENGINE_ARGS.items():
+        cls.__annotations__[name] = "Any"
+        default = accepted[0]
+        if isinstance(default, (list, dict, set)):
+            setattr(cls, name, field(default_factory=lambda d=default: copy.copy(d), repr=False))
+        else:
+            setattr(cls, name, field(default=default, repr=False))
+    return cls
+
+
 @dataclass
+@_with_vllm_only_fields
 class EngineArgs:
     """Engine options with vLLM's names and (CPU) defaults."""
 
@@ -164,7 +187,6 @@ class EngineArgs:
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -174,8 +196,6 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     speculative_config: dict[str, Any] | None = None
-    cpu_offload_gb: float = 0
-    enable_prompt_embeds: bool = False
     async_scheduling: bool | None = None
     distributed_executor_backend: str | None = None
     compilation_config: Any = None
@@ -185,15 +205,14 @@ class EngineArgs:
     profiler_config: Any = None
     structured_outputs_config: dict[str, Any] | None = None
     return_sampling_mask: bool = False
-    attention_config: Any = None  # accepted at vLLM's default only (_UNSUPPORTED_DEFAULTS)
+    served_model_name: str | list[str] | None = None
+    spec_method: str | None = None
+    spec_model: str | None = None
+    spec_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name, default in _UNSUPPORTED_DEFAULTS.items():
-            if getattr(self, name) != default:
-                raise NotImplementedError(
-                    f"{name}={getattr(self, name)!r} is not supported by pagedlm yet "
-                    f"(only {default!r}); see the README's list of supported features."
-                )
+        check_vllm_only_args({name: getattr(self, name) for name in VLLM_ONLY_ENGINE_ARGS})
+        self._fold_speculative_shorthands()
         for name, allowed in _ALLOWED_VALUES.items():
             if getattr(self, name) not in allowed:
                 raise NotImplementedError(
@@ -238,6 +257,22 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
 
+    def _fold_speculative_shorthands(self) -> None:
+        """vLLM's `spec_method` / `spec_model` / `spec_tokens` fill `speculative_config`."""
+        keys = {
+            "spec_method": "method",
+            "spec_model": "model",
+            "spec_tokens": "num_speculative_tokens",
+        }
+        given = {
+            key: getattr(self, name)
+            for name, key in keys.items()
+            if getattr(self, name) is not None
+        }
+        if given:
+            self.speculative_config = {**(self.speculative_config or {}), **given}
+            self.spec_method = self.spec_model = self.spec_tokens = None
+
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -249,6 +284,13 @@ class EngineArgs:
             kind = hints[f.name]
             help_text = _HELP.get(f.name, "See vLLM's option of the same name.")
             default = f.default if f.default is not dataclasses.MISSING else None
+            if f.name in VLLM_ONLY_ENGINE_ARGS:  # hidden: accepted at vLLM's default only
+                hidden: dict[str, Any] = {"default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+                if isinstance(VLLM_ONLY_ENGINE_ARGS[f.name][0][0], bool):
+                    group.add_argument(flag, action=argparse.BooleanOptionalAction, **hidden)
+                else:
+                    group.add_argument(flag, type=_parse_cli_value, **hidden)
+                continue
             args = typing.get_args(kind)
             if kind is bool or (bool in args and len(args) <= 2 and str not in args):
                 group.add_argument(

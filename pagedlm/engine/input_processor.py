@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pagedlm.config import ModelConfig
 from pagedlm.exceptions import VLLMValidationError
 from pagedlm.pooling_params import PoolingParams
-from pagedlm.sampling_options import is_int
+from pagedlm.sampling_options import check_unsupported_fields, is_int
 from pagedlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -237,16 +237,7 @@ class InputProcessor:
         engine's copy of it, completed from the model's generation config."""
         params.check_types()  # again: fields may have been set after construction
         params._verify_args()
-        if params.thinking_token_budget is not None:
-            raise NotImplementedError(
-                "SamplingParams.thinking_token_budget is not supported by pagedlm yet (it needs "
-                "a reasoning parser); leave it None."
-            )
-        if params.repetition_detection is not None and params.repetition_detection.max_pattern_size:
-            raise NotImplementedError(
-                "SamplingParams.repetition_detection is not supported by pagedlm yet; leave it "
-                "None (or max_pattern_size=0)."
-            )
+        check_unsupported_fields(params)
         if params.seed is not None and not -(2**63) <= params.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {params.seed}.")
         params.verify(

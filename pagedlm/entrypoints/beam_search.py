@@ -102,7 +102,9 @@ class BeamSearchMixin:
             instance.completed.extend(instance.beams)
             best = sorted(instance.completed, key=sort_beams_key, reverse=True)[:beam_width]
             for beam in best:
-                beam.text = tokenizer.decode(beam.tokens)
+                beam.text = tokenizer.decode(
+                    beam.tokens, skip_special_tokens=params.skip_special_tokens
+                )
             outputs.append(BeamSearchOutput(sequences=best))
         return outputs
 

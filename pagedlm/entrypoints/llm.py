@@ -30,22 +30,6 @@ from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def _speculative_aliases(kwargs: dict[str, Any]) -> None:
-    """vLLM's `spec_method` / `spec_model` / `spec_tokens` fill `speculative_config`."""
-    aliases = {
-        "spec_method": "method",
-        "spec_model": "model",
-        "spec_tokens": "num_speculative_tokens",
-    }
-    given = {
-        key: kwargs.pop(alias) for alias, key in aliases.items() if kwargs.get(alias) is not None
-    }
-    for alias in aliases:
-        kwargs.pop(alias, None)
-    if given:
-        kwargs["speculative_config"] = {**(kwargs.get("speculative_config") or {}), **given}
-
-
 def _refuse_mm_processor_kwargs(mm_processor_kwargs: dict[str, Any] | None) -> None:
     if mm_processor_kwargs:
         raise NotImplementedError(
@@ -66,7 +50,6 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("disable_log_stats", True)
-        _speculative_aliases(kwargs)
         dp_size = kwargs.get("data_parallel_size", 1)
         if dp_size > 1 and kwargs.get("distributed_executor_backend") != "external_launcher":
             raise ValueError(

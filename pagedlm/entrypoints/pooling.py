@@ -160,7 +160,14 @@ class PoolingMixin:
             if config.pooling_task == "classify":
                 raise ValueError("Scoring API is only enabled for num_labels == 1.")
             raise ValueError("This model does not support the Scoring API.")
-        left, right = prompt_to_seq(data_1), prompt_to_seq(data_2)
+        extra = (pooling_params.extra_kwargs if pooling_params is not None else None) or {}
+        tokenizer = self.llm_engine.get_tokenizer()
+        left, right = (
+            truncated(
+                prompt_to_seq(data), tokenizer, name, extra.get(name, 0), config.max_model_len
+            )
+            for data, name in ((data_1, "max_tokens_per_query"), (data_2, "max_tokens_per_doc"))
+        )
         if len(left) == 1:
             left = left * len(right)
         if len(left) != len(right):
@@ -172,7 +179,6 @@ class PoolingMixin:
             return self._score_bi_encoder(
                 left, right, use_tqdm, pooling_params, tokenization_kwargs
             )
-        tokenizer = self.llm_engine.get_tokenizer()
         pairs = []
         for a, b in zip(left, right):
             encoded = tokenizer(a, b, **(tokenization_kwargs or {}))
@@ -210,3 +216,32 @@ class PoolingMixin:
             )
             outs.append(ScoringRequestOutput.from_base(base))
         return outs
+
+
+def truncated(texts: list[Any], tokenizer: Any, name: str, limit: Any, max_len: int) -> list[Any]:
+    """``texts`` with each string cut to ``limit`` tokens (0: unchanged), as vLLM's
+    ``PoolingParams(extra_kwargs={"max_tokens_per_query" | "max_tokens_per_doc": limit})``."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {limit!r}.")
+    if limit >= max_len:
+        raise ValueError(f"{name} ({limit}) must be less than max_model_len ({max_len}).")
+    if not limit:
+        return list(texts)
+    return [
+        truncate_text_to_tokens(t, tokenizer, limit) if isinstance(t, str) else t for t in texts
+    ]
+
+
+def truncate_text_to_tokens(text: str, tokenizer: Any, max_tokens: int) -> str:
+    """The longest prefix of ``text`` cut at a token boundary that encodes (without special
+    tokens) to at most ``max_tokens`` tokens; the cut is a character offset of the original
+    text, so no decode round trip changes it."""
+    while text:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoding["offset_mapping"]
+        if len(encoding["input_ids"]) <= max_tokens:
+            break
+        # end of the last kept token, or the start of the first dropped one if that is sooner
+        end = min(offsets[max_tokens - 1][1], offsets[max_tokens][0])
+        text = text[: min(end, len(text) - 1)]  # always shorter: the loop ends
+    return text

@@ -103,13 +103,14 @@ class XgrammarBackend:
 
     def _compile(self, kind: StructuredOutputKind, spec: str) -> Any:
         c = self.compiler
-        if kind is StructuredOutputKind.JSON:
+        if kind in (StructuredOutputKind.JSON, StructuredOutputKind.JSON_OBJECT):
             options = json.loads(spec)
+            compact = not options["any_whitespace"]  # vLLM: compact separators too
             return c.compile_json_schema(
-                json.dumps(options["schema"]), any_whitespace=options["any_whitespace"]
+                json.dumps(options["schema"]),
+                any_whitespace=options["any_whitespace"],
+                separators=(",", ":") if compact else None,
             )
-        if kind is StructuredOutputKind.JSON_OBJECT:
-            return c.compile_builtin_json_grammar()
         if kind is StructuredOutputKind.REGEX:
             return c.compile_regex(spec)
         if kind is StructuredOutputKind.CHOICE:

@@ -74,13 +74,11 @@ def get_structured_output_key(params: StructuredOutputsParams) -> StructuredOutp
 
 
 def _json_spec(schema: dict | bool, params: StructuredOutputsParams) -> str:
+    """xgrammar compiles schemas strictly (no properties the schema does not list, unless it
+    says ``additionalProperties``), as vLLM's xgrammar backend does; so
+    ``disable_additional_properties`` (for vLLM's guidance backend) changes no grammar here."""
     return json.dumps(
-        {
-            "schema": schema,
-            "any_whitespace": not params.disable_any_whitespace,
-            "no_additional_properties": params.disable_additional_properties,
-        },
-        sort_keys=True,
+        {"schema": schema, "any_whitespace": not params.disable_any_whitespace}, sort_keys=True
     )
 
 

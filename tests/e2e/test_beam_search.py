@@ -79,11 +79,19 @@ def test_beams_and_scores_match_reference(llm, hf_model, width, length_penalty) 
         _check(out, ref)
         for seq in out.sequences:
             assert seq.tokens[: len(ids)] == ids
-            assert seq.text == tok.decode(seq.tokens)  # the prompt is part of the text
+            # the prompt is part of the text; special tokens (the BOS here) are skipped
+            assert seq.text == tok.decode(seq.tokens, skip_special_tokens=True)
             assert len(seq.logprobs) == len(seq.tokens) - len(ids)
             assert all(len(d) == 2 * width for d in seq.logprobs)  # greedy: argmax is in top-k
             assert seq.finish_reason is None and seq.stop_reason is None
             assert seq.orig_prompt["prompt_token_ids"] == ids
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(llm) -> None:
+    tok = llm.get_tokenizer()
+    params = BeamSearchParams(beam_width=2, max_tokens=3, skip_special_tokens=False)
+    for seq in llm.beam_search([{"prompt": PROMPTS[0]}], params)[0].sequences:
+        assert seq.text == tok.decode(seq.tokens) and seq.text.startswith(tok.bos_token)
 
 
 def test_eos_ends_beams_and_ignore_eos(llm, hf_model) -> None:

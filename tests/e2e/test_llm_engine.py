@@ -161,7 +161,6 @@ def test_engine_args_cli_roundtrip() -> None:
     with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
         EngineArgs(model="m", pipeline_parallel_size=2)
     for name, value in [
-        ("enforce_eager", False),
         ("prefix_caching_hash_algo", "xxhash"),
         ("async_scheduling", True),
         ("distributed_executor_backend", "ray"),

@@ -136,6 +136,21 @@ def test_bert_classifier_and_cross_encoder_match_transformers(tmp_path, num_labe
             want = hf(**pair).logits.sigmoid()[:, 0]
         scores = llm.score(texts[0], texts[1:], use_tqdm=False)
         assert [s.outputs.score for s in scores] == pytest.approx(want.tolist(), abs=1e-4)
+        # vLLM's extra_kwargs max_tokens_per_query / max_tokens_per_doc cut each text first
+        limits = {"max_tokens_per_query": 2, "max_tokens_per_doc": 3}
+        cut = llm.score(
+            texts[0], texts[1:], use_tqdm=False, pooling_params=PoolingParams(extra_kwargs=limits)
+        )
+        query = tok.convert_tokens_to_string(tok.tokenize(texts[0])[:2])
+        docs = [tok.convert_tokens_to_string(tok.tokenize(t)[:3]) for t in texts[1:]]
+        assert query == "the cat" and docs[1] == "the man is"
+        by_hand = llm.score(query, docs, use_tqdm=False)
+        assert [s.outputs.score for s in cut] == [s.outputs.score for s in by_hand]
+        assert cut[1].outputs.score != scores[1].outputs.score
+        with pytest.raises(ValueError, match="max_tokens_per_doc .* less than max_model_len"):
+            llm.score(
+                "a", "b", pooling_params=PoolingParams(extra_kwargs={"max_tokens_per_doc": 64})
+            )
     else:
         with pytest.raises(ValueError, match="num_labels == 1"):
             llm.score("a", "b")

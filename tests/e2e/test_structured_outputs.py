@@ -219,3 +219,34 @@ def test_structural_tags(llm: LLM) -> None:
     )
     assert outs[0].outputs[0].text == "Hello!" and outs[0].outputs[0].finish_reason == "stop"
     assert len(outs[1].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("disable_additional_properties", [False, True])
+def test_disable_additional_properties(llm: LLM, disable_additional_properties: bool) -> None:
+    """xgrammar is strict, as in vLLM: keys the schema does not list are refused whether or not
+    disable_additional_properties is set, and allowed where the schema says so."""
+    props = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    manager = llm.llm_engine.structured_output_manager
+    tokenizer = llm.get_tokenizer()
+
+    def accepts(schema: dict, text: str) -> bool:
+        so = SO(json=schema, disable_additional_properties=disable_additional_properties)
+        grammar = manager.init_request(so).grammar
+        return grammar.accept_tokens("r", tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts(props, '{"a": 1}')
+    assert not accepts(props, '{"a": 1, "b": 2}')
+    assert accepts({**props, "additionalProperties": True}, '{"a": 1, "b": 2}')
+
+
+def test_disable_any_whitespace_is_compact_json(llm: LLM) -> None:
+    """vLLM's xgrammar backend compiles with separators (",", ":") then: no space at all."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    schema["required"] = ["a", "b"]
+    manager = llm.llm_engine.structured_output_manager
+    tokenizer = llm.get_tokenizer()
+    for text, compact_ok in (('{"a":1,"b":2}', True), ('{"a": 1, "b": 2}', False)):
+        for flag in (True, False):
+            grammar = manager.init_request(SO(json=schema, disable_any_whitespace=flag)).grammar
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert grammar.accept_tokens("r", ids) is (compact_ok or not flag), (text, flag)

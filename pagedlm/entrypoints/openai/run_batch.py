@@ -371,7 +371,9 @@ def run_batch(args: argparse.Namespace) -> int:
 
         engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
         writer = ResultWriter(args.output_file, append=args.resume)
-        runner = BatchRunner(ServingContext(engine, args.model), writer, resume)
+        served = args.served_model_name or args.model
+        served = served[0] if isinstance(served, list) else served
+        runner = BatchRunner(ServingContext(engine, served), writer, resume)
         if not args.no_progress and sys.stderr.isatty():
             total = _count_lines(args.input_file)
             progress = tqdm(total=total, desc="Running batch", unit="req", file=sys.stderr)

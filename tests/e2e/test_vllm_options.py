@@ -1,0 +1,106 @@
+"""vLLM's loading and naming options do what vLLM's do (tiny models; the hub is faked).
+
+tests/unit/test_vllm_fields.py requires a behaviour test naming each option pagedlm honours;
+these are the ones no other file covers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedlm import LLM, SamplingParams
+from pagedlm.entrypoints.openai.run_batch import main as run_batch
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
+
+
+def _tokens(llm: LLM) -> list[int]:
+    return list(llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_load_format_dummy_gives_random_weights(tiny_qwen2) -> None:
+    real = LLM(str(tiny_qwen2), dtype="float32", max_model_len=64)
+    dummy = LLM(str(tiny_qwen2), dtype="float32", max_model_len=64, load_format="dummy")
+    weight = "model.embed_tokens.weight"
+
+    def first_weight(llm: LLM) -> torch.Tensor:
+        return llm.collective_rpc(
+            lambda worker, name=weight: dict(worker.model_runner.model.named_parameters())[
+                name
+            ].clone()
+        )[0]
+
+    assert not torch.equal(first_weight(real), first_weight(dummy))
+    assert len(_tokens(dummy)) == 6
+
+
+def test_hf_overrides_change_the_model_config(tiny_qwen2) -> None:
+    llm = LLM(str(tiny_qwen2), dtype="float32", hf_overrides={"max_position_embeddings": 48})
+    assert llm.model_config.max_model_len == 48
+    assert LLM(str(tiny_qwen2), dtype="float32", hf_overrides={}).model_config.max_model_len == 512
+
+
+def test_tokenizer_mode(tiny_qwen2) -> None:
+    llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=64, tokenizer_mode="hf")
+    assert llm.get_tokenizer().is_fast
+    with pytest.raises(NotImplementedError, match="tokenizer_mode='mistral'"):
+        LLM(str(tiny_qwen2), dtype="float32", max_model_len=64, tokenizer_mode="mistral")
+
+
+def test_hub_options_reach_the_hub_and_transformers(tiny_qwen2, monkeypatch) -> None:
+    """revision / hf_token go to snapshot_download; tokenizer_revision and trust_remote_code to
+    transformers (the hub itself is faked: no network here)."""
+    import huggingface_hub
+    from transformers import AutoConfig, AutoTokenizer
+
+    calls: dict[str, dict] = {}
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls["hub"] = {"repo_id": repo_id, **kwargs}
+        return str(tiny_qwen2)
+
+    def recording(name, original):
+        def wrapped(*args, **kwargs):
+            calls[name] = kwargs
+            return original(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(
+        AutoConfig, "from_pretrained", recording("config", AutoConfig.from_pretrained)
+    )
+    monkeypatch.setattr(
+        AutoTokenizer, "from_pretrained", recording("tokenizer", AutoTokenizer.from_pretrained)
+    )
+    llm = LLM(
+        "some-org/tiny",
+        dtype="float32",
+        max_model_len=64,
+        revision="v1.2",
+        hf_token="hf_secret",
+        tokenizer_revision="tok-v3",
+        trust_remote_code=True,
+    )
+    assert calls["hub"]["repo_id"] == "some-org/tiny"
+    assert calls["hub"]["revision"] == "v1.2" and calls["hub"]["token"] == "hf_secret"
+    assert calls["config"]["trust_remote_code"] is True
+    assert calls["tokenizer"]["revision"] == "tok-v3"
+    assert calls["tokenizer"]["trust_remote_code"] is True
+    assert len(_tokens(llm)) == 6
+
+
+def test_served_model_name_names_run_batch_responses(tiny_qwen2, tmp_path) -> None:
+    body = {"model": "x", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    request = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps(request) + "\n")
+    args = ["--model", str(tiny_qwen2), "--max-model-len", "64", "--dtype", "float32"]
+    assert run_batch(["-i", str(inp), "-o", str(out), *args, "--served-model-name", "mine"]) == 0
+    assert json.loads(out.read_text())["response"]["body"]["model"] == "mine"
+    assert run_batch(["-i", str(inp), "-o", str(out), *args]) == 0
+    assert json.loads(out.read_text())["response"]["body"]["model"] == str(tiny_qwen2)
