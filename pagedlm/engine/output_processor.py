@@ -88,15 +88,14 @@ class RequestState:
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
         )
-        self.logprobs = (
-            create_sample_logprobs(params.flat_logprobs) if params.logprobs is not None else None
-        )
+        wants_logprobs = params.num_logprobs is not None  # logprobs or logprob_token_ids
+        self.logprobs = create_sample_logprobs(params.flat_logprobs) if wants_logprobs else None
         self.prompt_logprobs = (
             create_prompt_logprobs(params.flat_logprobs)
             if params.prompt_logprobs is not None
             else None
         )
-        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if wants_logprobs else None
         self.sampling_mask: list[list[int]] = []  # filled when the engine returns masks
         self.num_cached_tokens = 0
         self.sent_text_offset = 0
@@ -121,7 +120,7 @@ class RequestState:
         target = self.prompt_logprobs if prompt else self.logprobs
         if lists is None or target is None:
             return
-        k = self.params.prompt_logprobs if prompt else self.params.logprobs
+        k = self.params.prompt_logprobs if prompt else self.params.num_logprobs
         for ids, values, rank in zip(
             lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks
         ):

@@ -38,6 +38,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [B] fp32, 0.0 where disabled
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: int | None = None  # top-k logprobs to return (-1 = whole vocab)
+    # Rows returning the logprobs of these ids instead of the top-k (logprob_token_ids).
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Penalties (None when every row has neutral values).
     presence_penalties: torch.Tensor | None = None  # [B]
     frequency_penalties: torch.Tensor | None = None  # [B]
@@ -83,9 +85,14 @@ _SAMPLING_EPS = 1e-5
 
 
 def gather_logprobs(
-    logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+    logprobs: torch.Tensor,
+    num_logprobs: int,
+    token_ids: torch.Tensor,
+    chosen_ids: dict[int, list[int]] | None = None,
 ) -> LogprobsLists:
-    """Top-`num_logprobs` entries of each row plus `token_ids[row]` (first), with its rank."""
+    """Per row `token_ids[row]` (first, with its rank) then the top-`num_logprobs` entries,
+    or, for a row in `chosen_ids`, the entries of exactly those ids in their order (vLLM's
+    `logprob_token_ids`)."""
     if num_logprobs == -1:
         num_logprobs = logprobs.shape[-1]
     token_logprobs = logprobs.gather(-1, token_ids.unsqueeze(-1))
@@ -96,7 +103,12 @@ def gather_logprobs(
         values = torch.cat([token_logprobs, top_logprobs], dim=-1)
     else:
         ids, values = token_ids.unsqueeze(-1), token_logprobs
-    return LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist())
+    lists = LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist())
+    for row, chosen in (chosen_ids or {}).items():
+        row_ids = [lists.logprob_token_ids[row][0], *chosen]
+        lists.logprob_token_ids[row] = row_ids
+        lists.logprobs[row] = logprobs[row, row_ids].tolist()
+    return lists
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -126,7 +138,7 @@ class Sampler:
             raw = processed if mode == "processed_logits" else processed.log_softmax(-1)
         lists = None
         if raw is not None:
-            lists = gather_logprobs(raw, md.max_num_logprobs, sampled)
+            lists = gather_logprobs(raw, md.max_num_logprobs, sampled, md.logprob_token_ids)
         mask = sampling_support(processed) if md.return_sampling_mask else None
         return SamplerOutput(sampled, lists, mask)
 

@@ -143,10 +143,8 @@ class InputBatch:
         self.presence_penalty[row] = p.presence_penalty
         self.frequency_penalty[row] = p.frequency_penalty
         self.repetition_penalty[row] = p.repetition_penalty
-        if p.logprobs is None:
-            self.num_logprobs[row] = -1
-        else:
-            self.num_logprobs[row] = self.vocab_size if p.logprobs == -1 else p.logprobs
+        k = p.num_logprobs  # logprobs, else len(logprob_token_ids)
+        self.num_logprobs[row] = -1 if k is None else self.vocab_size if k == -1 else k
         self.min_tokens[row] = p.min_tokens
         self.needs_visit[row] = bool(
             p.seed is not None
@@ -154,6 +152,7 @@ class InputBatch:
             or p.bad_words_token_ids
             or p.logit_bias
             or p.min_tokens
+            or p.logprob_token_ids
         )
 
     def remove_request(self, req_id: str) -> None:

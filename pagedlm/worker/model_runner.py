@@ -240,9 +240,8 @@ class ModelRunner:
 
     def _num_logprobs(self, state: CachedRequestState) -> int | None:
         params = state.sampling_params
-        if params is None or params.logprobs is None:
-            return None
-        return params.logprobs if params.logprobs != -1 else self.model_config.vocab_size
+        k = None if params is None else params.num_logprobs  # logprob_token_ids count too
+        return self.model_config.vocab_size if k == -1 else k
 
     def _sample_with_drafts(
         self,
@@ -290,7 +289,11 @@ class ModelRunner:
                 else:
                     raw = logits[rows].float()
                     raw = raw if mode == "raw_logits" else raw.log_softmax(-1)
-                output.logprobs[state.req_id] = gather_logprobs(raw, k, torch.tensor(tokens))
+                chosen = state.sampling_params.logprob_token_ids  # type: ignore[union-attr]
+                by_row = {r: chosen for r in range(len(tokens))} if chosen else None
+                output.logprobs[state.req_id] = gather_logprobs(
+                    raw, k, torch.tensor(tokens), by_row
+                )
             start = end
 
     def _propose(self, inputs: StepInputs, output: ModelRunnerOutput) -> None:

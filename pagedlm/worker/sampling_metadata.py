@@ -60,6 +60,8 @@ def build_sampling_metadata(
             md.bad_words_token_ids[i] = p.bad_words_token_ids
         if p.logit_bias:
             md.logit_bias[i] = {int(k): float(v) for k, v in p.logit_bias.items()}
+        if p.logprob_token_ids:
+            md.logprob_token_ids[i] = list(p.logprob_token_ids)
         if num_output[i] < p.min_tokens:
             stop_ids = set(p.all_stop_token_ids) | set(p.stop_token_ids)
             if p.eos_token_id is not None and not p.ignore_eos:

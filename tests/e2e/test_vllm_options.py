@@ -104,3 +104,50 @@ def test_served_model_name_names_run_batch_responses(tiny_qwen2, tmp_path) -> No
     assert json.loads(out.read_text())["response"]["body"]["model"] == "mine"
     assert run_batch(["-i", str(inp), "-o", str(out), *args]) == 0
     assert json.loads(out.read_text())["response"]["body"]["model"] == str(tiny_qwen2)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_logprob_token_ids_returns_exactly_those_ids(tiny_qwen2, speculative: bool) -> None:
+    """Each position holds the sampled token then the asked ids, with the same values as the
+    whole-vocabulary logprobs; other requests of the batch keep their top-k."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    llm = LLM(
+        str(tiny_qwen2),
+        dtype="float32",
+        max_model_len=64,
+        speculative_config=spec if speculative else None,
+        max_logprobs=-1,
+    )
+    prompt = {"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}  # repeats: n-gram drafts exist
+    chosen = [3, 200, 11]
+    full, picked, top = llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=-1),
+            SamplingParams(
+                temperature=0.0, max_tokens=5, ignore_eos=True, logprob_token_ids=chosen
+            ),
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2),
+        ],
+        use_tqdm=False,
+    )
+    assert picked.outputs[0].token_ids == full.outputs[0].token_ids
+    for token, row, whole, top_row in zip(
+        picked.outputs[0].token_ids,
+        picked.outputs[0].logprobs,
+        full.outputs[0].logprobs,
+        top.outputs[0].logprobs,
+    ):
+        assert set(row) == {token, *chosen}
+        for tid, lp in row.items():
+            assert lp.logprob == pytest.approx(whole[tid].logprob, abs=1e-5)
+        assert len(top_row) in (2, 3)  # top-2 plus the sampled token when it is not among them
+    assert picked.outputs[0].cumulative_logprob == pytest.approx(
+        full.outputs[0].cumulative_logprob, abs=1e-4
+    )
+    both = SamplingParams(temperature=0.0, max_tokens=2, logprobs=3, logprob_token_ids=chosen)
+    (out,) = llm.generate(prompt, both, use_tqdm=False)
+    assert all(
+        set(row) == {t, *chosen}
+        for t, row in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)
+    )
