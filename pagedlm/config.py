@@ -316,6 +316,12 @@ class WeightTransferConfig:
 class ProfilerConfig:
     """vLLM's profiler options; only the torch profiler exists on CPU.
 
+    Iteration windows (worker/profiler.py): `delay_iterations` steps skipped after
+    start_profile(), at most `max_iterations` recorded (0: until stop_profile()), and with
+    `wait_iterations` / `warmup_iterations` a torch.profiler schedule recording
+    `active_iterations` steps. `ignore_frontend`: pagedlm runs no separate front-end profiler
+    (vLLM's AsyncLLM server has one); the in-process engine's trace covers its thread.
+
     `torch_profiler_dir` set (here or by VLLM_TORCH_PROFILER_DIR) with `profiler=None`
     selects "torch". Traces are Chrome trace JSON (gzipped when `torch_profiler_use_gzip`).
     """
@@ -346,12 +352,11 @@ class ProfilerConfig:
             )
         if self.profiler == "torch" and not self.torch_profiler_dir:
             raise ValueError("torch_profiler_dir must be set when profiler is 'torch'")
-        for name in ("delay_iterations", "max_iterations", "warmup_iterations"):
-            if getattr(self, name):
-                raise NotImplementedError(
-                    f"ProfilerConfig.{name} is not supported by pagedlm yet (only 0): the "
-                    "profile covers everything between start_profile() and stop_profile()."
-                )
+        windows = ("delay_iterations", "max_iterations", "warmup_iterations", "wait_iterations")
+        for name, least in (*((n, 0) for n in windows), ("active_iterations", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"ProfilerConfig.{name} must be an int >= {least}, got {value!r}.")
         if self.capture_torch_profiler:
             raise NotImplementedError(
                 "ProfilerConfig.capture_torch_profiler needs CUDA graphs (not on CPU)."

@@ -172,8 +172,16 @@ class EngineControlMixin:
         )
 
     # ------------------------------------------------------------ profiler
-    def start_profile(self, profile_prefix: str | None = None) -> None:
-        self.model_executor.collective_rpc("start_profile", args=(profile_prefix,))
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        self.model_executor.collective_rpc(
+            "start_profile", args=(profile_prefix, delay_iterations, max_iterations)
+        )
 
     def stop_profile(self) -> list[str]:
         return self.model_executor.collective_rpc("stop_profile")

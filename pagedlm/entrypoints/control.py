@@ -98,10 +98,19 @@ class ControlMixin:
         self.llm_engine.release_kv_cache_memory()
 
     # --------------------------------------------------------------- profiler
-    def start_profile(self, profile_prefix: str | None = None) -> None:
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
         """Start the torch profiler on every worker (needs profiler_config or
-        VLLM_TORCH_PROFILER_DIR); `profile_prefix` starts the trace file names."""
-        self.llm_engine.start_profile(profile_prefix)
+        VLLM_TORCH_PROFILER_DIR); `profile_prefix` starts the trace file names. The iteration
+        windows default to profiler_config's delay_iterations / max_iterations."""
+        self.llm_engine.start_profile(
+            profile_prefix, delay_iterations=delay_iterations, max_iterations=max_iterations
+        )
 
     def stop_profile(self) -> None:
         """Stop and write one Chrome trace per worker rank to the configured directory."""

@@ -11,15 +11,13 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import os
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedlm.layers.attention import allocate_kv_caches
 from pagedlm.model_loader.reload import check_can_discard, discard_weights, weights_missing
+from pagedlm.worker.profiler import WorkerProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -176,42 +174,28 @@ class WorkerControlMixin:
         )
 
     # -------------------------------------------------------------- profiler
-    def start_profile(self, profile_prefix: str | None = None) -> None:
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
         config = self.vllm_config.profiler_config
         if config.profiler != "torch":
             raise RuntimeError(
                 "Profiling is not enabled: pass profiler_config={'profiler': 'torch', "
                 "'torch_profiler_dir': '/path'} to LLM(...) or set VLLM_TORCH_PROFILER_DIR."
             )
-        if getattr(self, "_profiler", None) is not None:
+        profiler = self.profiler
+        if profiler is None:
+            profiler = self.profiler = WorkerProfiler(config, self.rank)
+        if profiler.active:
             raise ProfilerAlreadyActiveError(
                 "A profile is already running: call stop_profile() first."
             )
-        profiler = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU],
-            record_shapes=config.torch_profiler_record_shapes,
-            with_stack=config.torch_profiler_with_stack,
-            profile_memory=config.torch_profiler_with_memory,
-            with_flops=config.torch_profiler_with_flops,
-        )
-        profiler.start()
-        self._profiler = profiler
-        self._profile_prefix = profile_prefix
+        profiler.start(profile_prefix, delay_iterations, max_iterations)
 
-    def stop_profile(self) -> str:
-        """Stop and write this rank's Chrome trace; returns its path."""
-        profiler = getattr(self, "_profiler", None)
-        if profiler is None:
-            raise RuntimeError("No profile is running: call start_profile() first.")
-        self._profiler = None
-        profiler.stop()
-        config = self.vllm_config.profiler_config
-        directory = Path(config.torch_profiler_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        prefix = self._profile_prefix or "pagedlm"
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        suffix = ".pt.trace.json.gz" if config.torch_profiler_use_gzip else ".pt.trace.json"
-        path = directory / f"{prefix}_rank{self.rank}_pid{os.getpid()}_{stamp}{suffix}"
-        profiler.export_chrome_trace(str(path))
-        logger.info("Profiler trace of rank %d written to %s", self.rank, path)
-        return str(path)
+    def stop_profile(self) -> str | None:
+        """Stop and write this rank's Chrome trace; its path (None if nothing was recorded)."""
+        # as vLLM, stopping a stopped (or never started) profiler does nothing
+        return None if self.profiler is None else self.profiler.stop()

@@ -18,6 +18,7 @@ from pagedlm.lora.worker_mixin import WorkerLoRAMixin
 from pagedlm.platforms import current_platform
 from pagedlm.worker.control import WorkerControlMixin
 from pagedlm.worker.model_runner import ModelRunner
+from pagedlm.worker.profiler import WorkerProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
         self.cpu_ids = cpu_ids
         self.model_runner: ModelRunner | None = None
         self.model_memory_bytes = 0  # what loading the model added to this process
+        self.profiler: WorkerProfiler | None = None  # made by the first start_profile
         self.weight_transfer_engine: Any = None
         self._weight_update_active = False
         self._profiler: Any = None
@@ -81,7 +83,10 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
 
     # ----------------------------------------------------------------- step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._runner().execute_model(scheduler_output)
+        output = self._runner().execute_model(scheduler_output)
+        if self.profiler is not None:
+            self.profiler.step()  # iteration windows (delay / schedule / max_iterations)
+        return output
 
     def reset_requests(self) -> None:
         """After a failed step: forget the batch (the scheduler re-sends every request)."""
