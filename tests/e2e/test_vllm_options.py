@@ -151,3 +151,26 @@ def test_logprob_token_ids_returns_exactly_those_ids(tiny_qwen2, speculative: bo
         set(row) == {t, *chosen}
         for t, row in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)
     )
+
+
+def _vllm_defaults(cls_name: str) -> dict:
+    from pathlib import Path
+
+    fields = json.loads((Path(__file__).parents[1] / "fixtures" / "vllm_fields.json").read_text())
+    return {
+        k: v
+        for k, v in fields[cls_name].items()
+        if not (isinstance(v, dict) and ("__repr__" in v or "__required__" in v))
+    }
+
+
+def test_every_vllm_default_at_once_builds_a_working_engine(tiny_qwen2) -> None:
+    """vLLM's scripts and test fixtures pass defaults explicitly: all of LLM's at once (and all
+    of EngineArgs' through LLM's keyword arguments) give a working engine."""
+    llm_defaults = {k: v for k, v in _vllm_defaults("LLM").items() if k != "model"}
+    engine_defaults = {
+        k: v for k, v in _vllm_defaults("EngineArgs").items() if k not in ("model", *llm_defaults)
+    }
+    engine_defaults["max_model_len"] = 64  # vLLM's default (None) would be the model's 512
+    llm = LLM(str(tiny_qwen2), **llm_defaults, **engine_defaults)
+    assert len(_tokens(llm)) == 6
