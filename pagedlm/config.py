@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pagedlm import envs
+from pagedlm.model_arch import ModelArchQueries
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def derive_max_model_len(hf_config: Any) -> int:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ModelArchQueries):
     """The model, its tokenizer, dtype and length limit."""
 
     model: str

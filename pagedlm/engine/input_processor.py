@@ -183,13 +183,11 @@ class InputProcessor:
         """Tokenize (truncating only when asked) and validate one pooling request."""
         task = self.model_config.pooling_task
         params = params.clone()
-        hf = self.model_config.hf_config
+        config = self.model_config
         params.verify(
             task or "embed",
-            is_matryoshka=bool(
-                getattr(hf, "is_matryoshka", False) or getattr(hf, "matryoshka_dimensions", None)
-            ),
-            hidden_size=int(hf.hidden_size),
+            is_matryoshka=config.is_matryoshka,
+            hidden_size=config.get_hidden_size(),
         )
         kwargs = dict(tokenization_kwargs or {})
         truncate = kwargs.pop("truncate_prompt_tokens", params.truncate_prompt_tokens)

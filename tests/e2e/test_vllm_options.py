@@ -174,3 +174,22 @@ def test_every_vllm_default_at_once_builds_a_working_engine(tiny_qwen2) -> None:
     engine_defaults["max_model_len"] = 64  # vLLM's default (None) would be the model's 512
     llm = LLM(str(tiny_qwen2), **llm_defaults, **engine_defaults)
     assert len(_tokens(llm)) == 6
+
+
+def test_model_config_queries_scripts_read(tiny_qwen2) -> None:
+    """vLLM's ModelConfig methods and properties (read by scripts and vLLM's tests)."""
+    from types import SimpleNamespace
+
+    config = LLM(str(tiny_qwen2), dtype="float32", max_model_len=64).model_config
+    assert (
+        config.architectures == ["Qwen2ForCausalLM"]
+        and config.architecture == config.architectures[0]
+    )
+    assert config.get_vocab_size() == 512 and config.get_hidden_size() == 64
+    assert config.embedding_size == 64 and config.get_head_size() == 16
+    assert config.get_total_num_kv_heads() == 2 and config.get_total_num_hidden_layers() == 2
+    tp2 = SimpleNamespace(tensor_parallel_size=2)
+    assert config.get_num_kv_heads(tp2) == 1 and config.get_num_attention_heads(tp2) == 2
+    assert config.get_num_layers(tp2) == 2 and config.hf_text_config is config.hf_config
+    assert not (config.is_multimodal_model or config.is_moe or config.is_quantized)
+    assert not config.is_matryoshka and config.matryoshka_dimensions is None
