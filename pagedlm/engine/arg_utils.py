@@ -66,7 +66,7 @@ _HELP: dict[str, str] = {
     "generation_config": "auto (the model's generation_config.json), vllm (neutral) or a folder.",
     "override_generation_config": "JSON dict merged over the generation config.",
     "enforce_eager": "Accepted either way: pagedlm's CPU kernels always run eagerly.",
-    "load_format": "auto, safetensors, gguf or dummy (random weights).",
+    "load_format": "auto, safetensors, pt (pytorch_model*.bin), gguf or dummy (random weights).",
     "quantization": "gguf (GGUF files: blocks kept packed, integer kernels; their default) or "
     "int8 (weight-only, per-channel, for bf16/fp32 checkpoints).",
     "tensor_parallel_size": "Shard the model over this many worker processes (gloo on CPU).",
@@ -107,7 +107,14 @@ _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "quantization": (None, "gguf", "int8"),
     "compilation_config": (None, 0, {}),
     "model_impl": ("auto", "vllm"),
-    "tokenizer_mode": ("auto", "hf", "slow"),  # vLLM's mistral / custom tokenizers are not here
+    "tokenizer_mode": ("auto", "hf", "slow"),
+    "load_format": (
+        "auto",
+        "safetensors",
+        "pt",
+        "gguf",
+        "dummy",
+    ),  # vLLM's mistral / custom tokenizers are not here
 }
 
 

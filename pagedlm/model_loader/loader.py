@@ -36,13 +36,24 @@ def iterate_checkpoint(model_config: ModelConfig) -> Iterator[tuple[str, torch.T
     if model_config.gguf_file is not None:
         from pagedlm.model_loader.gguf_loader import iterate_gguf
 
+        if model_config.load_format in ("safetensors", "pt"):
+            raise ValueError(
+                f"load_format={model_config.load_format!r} but the model is a GGUF file; pass "
+                "load_format='auto' or 'gguf'."
+            )
+
         return iterate_gguf(
             model_config.gguf_file,
             model_config.hf_config,
             model_config.quantization,
             model_config.dtype,
         )
-    return iterate_safetensors(model_config.model_path)
+    if model_config.load_format == "gguf":
+        raise ValueError(
+            f"load_format='gguf' but {model_config.model_path} is not a .gguf file; pass "
+            "load_format='auto'."
+        )
+    return iterate_safetensors(model_config.model_path, model_config.load_format)
 
 
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:

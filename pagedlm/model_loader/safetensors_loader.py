@@ -40,14 +40,24 @@ def _pt_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("pytorch_model*.bin"))
 
 
-def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(
+    model_dir: str | Path, load_format: str = "auto"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors: its safetensors shards, or its PyTorch .bin shards when it
-    has no safetensors."""
+    has no safetensors (`load_format` "safetensors" / "pt" insists on one kind, as vLLM)."""
     from safetensors import SafetensorError, safe_open
 
     model_dir = Path(model_dir)
     pt_files = _pt_files(model_dir)
-    if pt_files and not any(model_dir.glob("*.safetensors")):
+    has_safetensors = any(model_dir.glob("*.safetensors"))
+    wanted = {"safetensors": has_safetensors, "pt": bool(pt_files)}.get(load_format, True)
+    if not wanted:
+        raise ValueError(
+            f"load_format={load_format!r} but {model_dir} has no "
+            f"{'*.safetensors' if load_format == 'safetensors' else 'pytorch_model*.bin'} "
+            "files; pass load_format='auto'."
+        )
+    if load_format == "pt" or (pt_files and not has_safetensors):
         yield from _iterate_pt(pt_files)
         return
     for path in safetensors_files(model_dir):

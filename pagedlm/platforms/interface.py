@@ -38,6 +38,17 @@ class Platform:
     def is_tpu(self) -> bool:
         return False
 
+    def get_device_name(self, device_id: int = 0) -> str:
+        return self.device_type
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        """vLLM's name for `total_memory_bytes` (bytes of RAM on a CPU)."""
+        return self.total_memory_bytes()
+
+    def supports_fp8(self) -> bool:
+        """fp8 compute, as vLLM asks it (an fp8 KV cache is stored, not computed in fp8)."""
+        return False
+
     def supports_bf16(self) -> bool:
         return True
 

@@ -193,3 +193,25 @@ def test_model_config_queries_scripts_read(tiny_qwen2) -> None:
     assert config.get_num_layers(tp2) == 2 and config.hf_text_config is config.hf_config
     assert not (config.is_multimodal_model or config.is_moe or config.is_quantized)
     assert not config.is_matryoshka and config.matryoshka_dimensions is None
+
+
+def test_load_format_picks_the_checkpoint_kind(tiny_llama, tmp_path) -> None:
+    """vLLM's load_format: "safetensors" / "pt" insist on that file kind, "auto" takes
+    safetensors first; a kind the model lacks is a clear error."""
+    from transformers import AutoModelForCausalLM
+
+    both = tmp_path / "both"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    model.save_pretrained(both)  # safetensors
+    model.save_pretrained(both, safe_serialization=False)  # and pytorch_model.bin
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (both / name).write_bytes((tiny_llama / name).read_bytes())
+    ref = _tokens(LLM(str(tiny_llama), dtype="float32", max_model_len=64))
+    for fmt in ("auto", "safetensors", "pt"):
+        assert _tokens(LLM(str(both), dtype="float32", max_model_len=64, load_format=fmt)) == ref
+    with pytest.raises(ValueError, match="load_format='pt' but .* no pytorch_model"):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=64, load_format="pt")
+    with pytest.raises(ValueError, match="load_format='gguf' but"):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=64, load_format="gguf")
+    with pytest.raises(NotImplementedError, match="load_format='bitsandbytes'"):
+        LLM(str(tiny_llama), load_format="bitsandbytes")

@@ -45,6 +45,21 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         from vllm.config import AttentionConfig, StructuredOutputsConfig, CompilationConfig
         import vllm.attention
         from vllm.benchmarks.datasets import get_samples
+        from vllm.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum as ABE2
+        from vllm.v1.executor import Executor
+        from vllm.worker.worker import Worker
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        from vllm.utils import get_ip as get_ip_old, get_open_port as get_open_port_old
+        from vllm.config import LoadFormat, RunnerOption
+        from vllm.config.model import ConvertOption
+        from vllm.logger import init_logger
+        from vllm.sequence import Logprob as SequenceLogprob
+        from vllm.sampling_params import StructuredOuputsParams
+        import vllm.envs
+        import pagedlm.executor.abstract, pagedlm.worker.worker
+        import pagedlm.distributed.weight_transfer.ipc_engine as ipc
         import pagedlm.platforms, pagedlm.config
         import pagedlm.engine.async_llm as a, pagedlm.outputs as o, pagedlm.lora.request as lr
 
@@ -57,6 +72,13 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             LoRARequest is lr.LoRARequest,
             current_platform is pagedlm.platforms.current_platform, current_platform.is_cpu(),
             StructuredOutputsConfig is pagedlm.config.StructuredOutputsConfig,
+            AttentionBackendEnum is ABE2, Executor is pagedlm.executor.abstract.Executor,
+            Worker is pagedlm.worker.worker.Worker, get_ip_old is get_ip,
+            IPCWeightTransferEngine is ipc.IPCWeightTransferEngine,
+            WeightTransferInitRequest is pagedlm.distributed.weight_transfer.WeightTransferInitRequest,
+            SequenceLogprob is Logprob, StructuredOuputsParams is StructuredOutputsParams,
+            vllm.envs.VLLM_TORCH_PROFILER_USE_GZIP is True, init_logger("x").name == "x",
+            current_platform.get_device_total_memory() > 0, not current_platform.supports_fp8(),
         ]
         llm = LLM({str(tiny_qwen2)!r}, dtype="float32", max_model_len=64)
         outs = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
@@ -74,6 +96,9 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             ("attention_config", lambda: AttentionConfig(backend="FLASH_ATTN")),
             ("attention", lambda: vllm.attention.AttentionBackendEnum),
             ("samples", lambda: get_samples(None, None)),
+            ("envs", lambda: vllm.envs.VLLM_USE_V1),
+            ("backend", lambda: LLM({str(tiny_qwen2)!r},
+                attention_backend=AttentionBackendEnum.FLASH_ATTN.value)),
         ]:
             try:
                 call()
@@ -111,6 +136,8 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
     )
     assert errs["attention"].startswith("AttributeError: pagedlm's vllm alias has no vllm.att")
     assert errs["samples"].startswith("NotImplementedError: vllm.benchmarks.datasets.get_samp")
+    assert errs["envs"].startswith("AttributeError: vllm.envs.VLLM_USE_V1: pagedlm does not read")
+    assert errs["backend"].startswith("NotImplementedError: attention_backend='FLASH_ATTN'")
 
 
 @pytest.mark.slow

@@ -8,3 +8,5 @@ from pagedlm.sampling_params import (  # noqa: F401
     SamplingType,
     StructuredOutputsParams,
 )
+
+StructuredOuputsParams = StructuredOutputsParams  # the misspelling one vLLM release exported

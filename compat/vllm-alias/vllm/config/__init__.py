@@ -1,5 +1,7 @@
 """vllm.config -> pagedlm.config; config classes pagedlm lacks import, and refuse to be built."""
 
+from typing import Literal
+
 from pagedlm.config import (  # noqa: F401
     CacheConfig,
     LoRAConfig,
@@ -13,6 +15,10 @@ from pagedlm.config import (  # noqa: F401
     WeightTransferConfig,
 )
 from vllm._unsupported import missing_attribute, unsupported_class
+from vllm.config.model import ConvertOption, RunnerOption  # noqa: F401
+
+# load_format values pagedlm reads (LLM(load_format=...)); vLLM's others are refused
+LoadFormat = Literal["auto", "safetensors", "gguf", "pt", "dummy"]
 
 _WHY = (
     "pagedlm has no such option group; pass its fields to LLM(...) (the README lists what is "

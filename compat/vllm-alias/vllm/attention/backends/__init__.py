@@ -1,0 +1,1 @@
+"""vllm.attention.backends: see vllm.attention."""

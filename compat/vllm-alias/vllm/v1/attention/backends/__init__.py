@@ -1,0 +1,1 @@
+"""vllm.v1.attention.backends: see vllm.attention."""

@@ -1,0 +1,1 @@
+"""vllm.worker -> pagedlm.worker."""
