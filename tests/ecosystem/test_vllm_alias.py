@@ -60,6 +60,7 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         import vllm.envs
         import pagedlm.executor.abstract, pagedlm.worker.worker
         import pagedlm.distributed.weight_transfer.ipc_engine as ipc
+        import pagedlm.distributed.weight_transfer.base as wt_base
         import pagedlm.platforms, pagedlm.config
         import pagedlm.engine.async_llm as a, pagedlm.outputs as o, pagedlm.lora.request as lr
 
@@ -75,7 +76,7 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             AttentionBackendEnum is ABE2, Executor is pagedlm.executor.abstract.Executor,
             Worker is pagedlm.worker.worker.Worker, get_ip_old is get_ip,
             IPCWeightTransferEngine is ipc.IPCWeightTransferEngine,
-            WeightTransferInitRequest is pagedlm.distributed.weight_transfer.WeightTransferInitRequest,
+            WeightTransferInitRequest is wt_base.WeightTransferInitRequest,
             SequenceLogprob is Logprob, StructuredOuputsParams is StructuredOutputsParams,
             vllm.envs.VLLM_TORCH_PROFILER_USE_GZIP is True, init_logger("x").name == "x",
             current_platform.get_device_total_memory() > 0, not current_platform.supports_fp8(),
