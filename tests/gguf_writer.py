@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedlm.models.llama import rope_params
+
 _NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -48,7 +50,7 @@ def write_llama_gguf(
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_rope_freq_base(rope_params(cfg)[0])  # transformers 5: in rope_parameters
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     for name, tensor in model.state_dict().items():

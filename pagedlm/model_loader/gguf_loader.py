@@ -209,12 +209,15 @@ def gguf_chat_template(path: str | Path) -> str | None:
 
 
 def load_gguf_tokenizer(path: str | Path, cache_root: Path) -> Any:
-    """The GGUF's tokenizer as a transformers fast tokenizer, converted once and cached."""
+    """The GGUF's tokenizer as a transformers fast tokenizer, converted once per transformers
+    version and cached (transformers 5 converts some GGUF tokenizers differently, Gemma's as BPE
+    with merges, and misreads the Unigram files transformers 4 saved for them)."""
+    import transformers
     from transformers import AutoTokenizer
 
     path = Path(path)
     stat = path.stat()
-    cached = cache_root / f"{path.name}.{stat.st_size}.tokenizer"
+    cached = cache_root / f"{path.name}.{stat.st_size}.tf{transformers.__version__}.tokenizer"
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     logger.info("Converting the tokenizer of %s (once)", path.name)

@@ -41,18 +41,27 @@ def test_sharded_safetensors_checkpoint(tiny_llama, tmp_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     sharded = tmp_path / "sharded"
     model.save_pretrained(sharded, max_shard_size="100KB")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (sharded / name).write_bytes((tiny_llama / name).read_bytes())
+    _copy_tokenizer(tiny_llama, sharded)
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 1
     assert _ours(str(sharded)) == _hf_tokens(tiny_llama)
 
 
+def _copy_tokenizer(source, target) -> None:
+    """The tokenizer files there are (transformers 5 writes no special_tokens_map.json)."""
+    for path in source.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens_map", "chat_template")):
+            (target / path.name).write_bytes(path.read_bytes())
+
+
 def _as_bin_checkpoint(source, target, **save_kwargs):
+    """pytorch_model*.bin written with huggingface_hub: transformers 5 saves safetensors only."""
+    from huggingface_hub import save_torch_state_dict
+
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    model.save_pretrained(target, safe_serialization=False, **save_kwargs)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (target / name).write_bytes((source / name).read_bytes())
+    model.config.save_pretrained(target)
+    save_torch_state_dict(model.state_dict(), target, safe_serialization=False, **save_kwargs)
+    _copy_tokenizer(source, target)
     assert not list(target.glob("*.safetensors")) and list(target.glob("pytorch_model*.bin"))
     return target
 

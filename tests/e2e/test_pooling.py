@@ -98,7 +98,7 @@ def _tiny_bert_classifier(tmp_path, num_labels: int) -> Path:
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(97, 123)]
     words += ["the", "a", "is", "cat", "dog", "man", "food", "##s", "horse", "eating"]
     (tmp_path / "vocab.txt").write_text("\n".join(words))
-    tokenizer = BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"))
+    tokenizer = BertTokenizerFast.from_pretrained(tmp_path)  # transformers 5 ignores vocab_file=
     config = BertConfig(
         vocab_size=len(words),
         hidden_size=64,

@@ -215,3 +215,13 @@ def test_load_format_picks_the_checkpoint_kind(tiny_llama, tmp_path) -> None:
         LLM(str(tiny_llama), dtype="float32", max_model_len=64, load_format="gguf")
     with pytest.raises(NotImplementedError, match="load_format='bitsandbytes'"):
         LLM(str(tiny_llama), load_format="bitsandbytes")
+
+
+def test_enforce_eager_either_way_runs_the_same_eager_kernels(tiny_qwen2) -> None:
+    """vLLM's default enforce_eager=False (compile where possible) is accepted: pagedlm's CPU
+    kernels are eager either way, so both give the same tokens."""
+    runs = [
+        _tokens(LLM(str(tiny_qwen2), dtype="float32", max_model_len=64, enforce_eager=eager))
+        for eager in (False, True)
+    ]
+    assert runs[0] == runs[1]

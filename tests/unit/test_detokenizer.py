@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Tokenizer, PreTrainedTokenizerFast
+from transformers import GPT2Tokenizer, PreTrainedTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagedlm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from pagedlm.engine.detokenizer_utils import convert_ids_list_to_tokens, correct_decoded_tokens
@@ -78,19 +79,54 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerFast:
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny_tok"))
 
 
+class _SlowByteLevelBPE(PreTrainedTokenizer):
+    """A slow (pure Python) byte-level BPE tokenizer splitting words with `bpe`'s model: the
+    stand-in for transformers 5, whose GPT2Tokenizer is a fast one."""
+
+    def __init__(self, bpe: Tokenizer, **kwargs) -> None:
+        self._bpe = bpe
+        self._vocab = bpe.get_vocab(with_added_tokens=False)
+        self._ids = {i: t for t, i in self._vocab.items()}
+        self._byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._vocab, **self.added_tokens_encoder)
+
+    def _tokenize(self, text: str, **kwargs) -> list[str]:
+        return self._bpe.encode(text, add_special_tokens=False).tokens
+
+    def _convert_token_to_id(self, token: str) -> int:
+        return self._vocab.get(token, 0)
+
+    def _convert_id_to_token(self, index: int) -> str | None:
+        return self._ids.get(index)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        data = bytearray(self._byte_decoder[c] for c in "".join(tokens))
+        return data.decode("utf-8", errors="replace")
+
+
 @pytest.fixture(scope="module")
 def slow_tok(tok: PreTrainedTokenizerFast, tmp_path_factory: pytest.TempPathFactory):
-    """A slow (pure Python) GPT2Tokenizer with the same byte-level BPE vocab and merges."""
-    path = Path(tmp_path_factory.mktemp("slow_tok"))
-    tok._tokenizer.model.save(str(path))
-    return GPT2Tokenizer(
-        vocab_file=str(path / "vocab.json"),
-        merges_file=str(path / "merges.txt"),
+    """A slow (pure Python) tokenizer with the same byte-level BPE vocab and merges."""
+    specials = dict(
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
         unk_token="<pad>",
         additional_special_tokens=["<|user|>", "<|assistant|>"],
+    )
+    if issubclass(GPT2Tokenizer, PreTrainedTokenizerFast):  # transformers >= 5
+        return _SlowByteLevelBPE(tok._tokenizer, **specials)
+    path = Path(tmp_path_factory.mktemp("slow_tok"))
+    tok._tokenizer.model.save(str(path))
+    return GPT2Tokenizer(
+        vocab_file=str(path / "vocab.json"), merges_file=str(path / "merges.txt"), **specials
     )
 
 
@@ -139,7 +175,10 @@ def _gen_ids(tokenizer) -> list[list[int]]:
 @pytest.mark.parametrize("spaces", [True, False])
 def test_incremental_matches_decode_byte_level(tok, skip: bool, spaces: bool) -> None:
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "Hi Bob"}], add_generation_prompt=True, tokenize=True
+        [{"role": "user", "content": "Hi Bob"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,  # transformers 5 returns a BatchEncoding by default
     )
     for gen in _gen_ids(tok):
         det = IncrementalDetokenizer(
