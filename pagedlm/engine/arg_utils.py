@@ -107,14 +107,8 @@ _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "quantization": (None, "gguf", "int8"),
     "compilation_config": (None, 0, {}),
     "model_impl": ("auto", "vllm"),
-    "tokenizer_mode": ("auto", "hf", "slow"),
-    "load_format": (
-        "auto",
-        "safetensors",
-        "pt",
-        "gguf",
-        "dummy",
-    ),  # vLLM's mistral / custom tokenizers are not here
+    "tokenizer_mode": ("auto", "hf", "slow"),  # not vLLM's mistral / custom tokenizers
+    "load_format": ("auto", "safetensors", "pt", "gguf", "dummy"),
 }
 
 
