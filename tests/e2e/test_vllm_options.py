@@ -198,14 +198,16 @@ def test_model_config_queries_scripts_read(tiny_qwen2) -> None:
 def test_load_format_picks_the_checkpoint_kind(tiny_llama, tmp_path) -> None:
     """vLLM's load_format: "safetensors" / "pt" insist on that file kind, "auto" takes
     safetensors first; a kind the model lacks is a clear error."""
-    from transformers import AutoModelForCausalLM
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
 
     both = tmp_path / "both"
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    model.save_pretrained(both)  # safetensors
-    model.save_pretrained(both, safe_serialization=False)  # and pytorch_model.bin
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (both / name).write_bytes((tiny_llama / name).read_bytes())
+    shutil.copytree(tiny_llama, both)  # config, tokenizer, model.safetensors
+    state = load_file(both / "model.safetensors")
+    save_torch_state_dict(state, both, safe_serialization=False)  # and pytorch_model.bin
+    assert (both / "pytorch_model.bin").is_file()
     ref = _tokens(LLM(str(tiny_llama), dtype="float32", max_model_len=64))
     for fmt in ("auto", "safetensors", "pt"):
         assert _tokens(LLM(str(both), dtype="float32", max_model_len=64, load_format=fmt)) == ref
