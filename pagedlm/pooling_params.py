@@ -6,6 +6,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from pagedlm.sampling_options import same_value
 from pagedlm.sampling_params import RequestOutputKind
 
 POOLING_TASKS = (
@@ -56,7 +57,7 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         for name, (default, why) in _UNSUPPORTED_FIELDS.items():
-            if getattr(self, name) != default:
+            if not same_value(getattr(self, name), default):
                 raise NotImplementedError(
                     f"PoolingParams.{name}={getattr(self, name)!r:.60}: {why} is not supported "
                     f"by pagedlm yet; leave it {default!r}."
