@@ -161,11 +161,8 @@ class PoolingMixin:
                 raise ValueError("Scoring API is only enabled for num_labels == 1.")
             raise ValueError("This model does not support the Scoring API.")
         extra = (pooling_params.extra_kwargs if pooling_params is not None else None) or {}
-        tokenizer = self.llm_engine.get_tokenizer()
         left, right = (
-            truncated(
-                prompt_to_seq(data), tokenizer, name, extra.get(name, 0), config.max_model_len
-            )
+            truncated(prompt_to_seq(data), self.llm_engine, name, extra.get(name, 0))
             for data, name in ((data_1, "max_tokens_per_query"), (data_2, "max_tokens_per_doc"))
         )
         if len(left) == 1:
@@ -179,6 +176,7 @@ class PoolingMixin:
             return self._score_bi_encoder(
                 left, right, use_tqdm, pooling_params, tokenization_kwargs
             )
+        tokenizer = self.llm_engine.get_tokenizer()
         pairs = []
         for a, b in zip(left, right):
             encoded = tokenizer(a, b, **(tokenization_kwargs or {}))
@@ -218,15 +216,17 @@ class PoolingMixin:
         return outs
 
 
-def truncated(texts: list[Any], tokenizer: Any, name: str, limit: Any, max_len: int) -> list[Any]:
+def truncated(texts: list[Any], engine: LLMEngine, name: str, limit: Any) -> list[Any]:
     """``texts`` with each string cut to ``limit`` tokens (0: unchanged), as vLLM's
     ``PoolingParams(extra_kwargs={"max_tokens_per_query" | "max_tokens_per_doc": limit})``."""
+    max_len = engine.model_config.max_model_len
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {limit!r}.")
     if limit >= max_len:
         raise ValueError(f"{name} ({limit}) must be less than max_model_len ({max_len}).")
     if not limit:
         return list(texts)
+    tokenizer = engine.get_tokenizer()
     return [
         truncate_text_to_tokens(t, tokenizer, limit) if isinstance(t, str) else t for t in texts
     ]
