@@ -57,6 +57,7 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
         from vllm.logger import init_logger
         from vllm.sequence import Logprob as SequenceLogprob
         from vllm.sampling_params import StructuredOuputsParams
+        from vllm.reasoning.abs_reasoning_parsers import ReasoningParserManager
         import vllm.envs
         import pagedlm.executor.abstract, pagedlm.worker.worker
         import pagedlm.distributed.weight_transfer.ipc_engine as ipc
@@ -98,6 +99,7 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
             ("attention", lambda: vllm.attention.AttentionBackendEnum),
             ("samples", lambda: get_samples(None, None)),
             ("envs", lambda: vllm.envs.VLLM_USE_V1),
+            ("reasoning", lambda: ReasoningParserManager()),
             ("backend", lambda: LLM({str(tiny_qwen2)!r},
                 attention_backend=AttentionBackendEnum.FLASH_ATTN.value)),
         ]:
@@ -137,6 +139,7 @@ def test_alias_reexports_pagedlm_objects_under_vllm_paths(run_client, tiny_qwen2
     )
     assert errs["attention"].startswith("AttributeError: pagedlm's vllm alias has no vllm.att")
     assert errs["samples"].startswith("NotImplementedError: vllm.benchmarks.datasets.get_samp")
+    assert errs["reasoning"].startswith("NotImplementedError: vllm.reasoning.ReasoningParserMa")
     assert errs["envs"].startswith("AttributeError: vllm.envs.VLLM_USE_V1: pagedlm does not read")
     assert errs["backend"].startswith("NotImplementedError: attention_backend='FLASH_ATTN'")
 
