@@ -21,16 +21,13 @@ import pyarrow.parquet as pq
 import ray
 from ray.data.llm import vLLMEngineProcessorConfig
 
-try:  # the name up to Ray ~2.5x; newer Ray only has build_processor
-    from ray.data.llm import build_llm_processor
-except ImportError:
-    from ray.data.llm import build_processor as build_llm_processor
+from tests.ecosystem.ray_chat_rows import build_llm_processor, chat_request, chat_result, questions
 
 model, work, replicas = sys.argv[1], sys.argv[2], int(sys.argv[3])
 os.makedirs(work, exist_ok=True)
 rows = 8 * replicas  # batches of 4: two per replica
-questions = [f"Question {i}: what is {i} plus {i}?" for i in range(rows)]
-pq.write_table(pa.table({"id": list(range(rows)), "question": questions}), f"{work}/in.parquet")
+table = pa.table({"id": list(range(rows)), "question": questions(rows)})
+pq.write_table(table, f"{work}/in.parquet")
 
 # An explicit address, never "auto": on a shared machine "auto" may find another cluster.
 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
@@ -64,16 +61,8 @@ chat = build_llm_processor(
         tokenize_stage=stage,
         detokenize_stage=stage,
     ),
-    preprocess=lambda row: {
-        "messages": [{"role": "user", "content": row["question"]}],
-        "sampling_params": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
-    },
-    postprocess=lambda row: {
-        "id": row["id"],
-        "prompt": row["prompt"],
-        "answer": row["generated_text"],
-        "tokens": [int(t) for t in row["generated_tokens"]],
-    },
+    preprocess=chat_request,
+    postprocess=chat_result,
     preprocess_map_kwargs=light,
     postprocess_map_kwargs=light,
 )

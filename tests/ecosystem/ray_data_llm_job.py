@@ -16,15 +16,11 @@ import pyarrow.parquet as pq
 import ray
 from ray.data.llm import vLLMEngineProcessorConfig
 
-try:  # the name up to Ray ~2.5x; newer Ray only has build_processor
-    from ray.data.llm import build_llm_processor
-except ImportError:
-    from ray.data.llm import build_processor as build_llm_processor
+from tests.ecosystem.ray_chat_rows import build_llm_processor, chat_request, chat_result, questions
 
 model, work = sys.argv[1], sys.argv[2]
 os.makedirs(work, exist_ok=True)
-questions = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
-pq.write_table(pa.table({"id": list(range(8)), "question": questions}), f"{work}/in.parquet")
+pq.write_table(pa.table({"id": list(range(8)), "question": questions(8)}), f"{work}/in.parquet")
 
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 ray.data.DataContext.get_current().enable_progress_bars = False
@@ -44,16 +40,8 @@ chat = build_llm_processor(
         tokenize_stage={"enabled": True, **small},
         detokenize_stage={"enabled": True, **small},
     ),
-    preprocess=lambda row: {
-        "messages": [{"role": "user", "content": row["question"]}],
-        "sampling_params": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
-    },
-    postprocess=lambda row: {
-        "id": row["id"],
-        "prompt": row["prompt"],
-        "answer": row["generated_text"],
-        "tokens": [int(t) for t in row["generated_tokens"]],
-    },
+    preprocess=chat_request,
+    postprocess=chat_result,
     preprocess_map_kwargs=small,
     postprocess_map_kwargs=small,
 )
