@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.kernels import cpu as k
+from pagedlm.kernels.gguf_pack import pack_gguf
 from pagedlm.layers.quantization.gguf import gguf_linear
-from pagedlm.layers.quantization.gguf_pack import pack_gguf
 
 # The default model's (Qwen2.5-Coder-0.5B Q4_K_M) GGUF type per layer: K-quants only where
 # K is a multiple of 256 (ffn_down: Q6_K or Q4_K), Q5_0 elsewhere, Q8_0 LM head.

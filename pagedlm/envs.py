@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -132,6 +133,14 @@ def get(name: str) -> Any:
         return var.parse(raw)
     except ValueError as e:
         raise ValueError(f"environment variable {name}={raw!r} is invalid: {var.meaning}") from e
+
+
+def cache_dir() -> Path:
+    """Where pagedlm writes: packaged models, converted tokenizers, built C kernels."""
+    if get("PAGEDLM_CACHE_DIR"):
+        return Path(get("PAGEDLM_CACHE_DIR"))
+    base = get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedlm"
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedlm.model_loader.catalog import cache_dir, resolve_packaged_model  # noqa: E402
+from pagedlm import envs  # noqa: E402
+from pagedlm.model_loader.catalog import resolve_packaged_model  # noqa: E402
 from pagedlm.model_loader.gguf_loader import (  # noqa: E402
     iterate_gguf,
     load_gguf_config,
@@ -44,7 +45,7 @@ def convert(model: str, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> P
     tmp.rename(out_dir / "model.safetensors")
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(out_dir)
-    tokenizer = load_gguf_tokenizer(path, cache_dir())
+    tokenizer = load_gguf_tokenizer(path, envs.cache_dir())
     tokenizer.save_pretrained(out_dir)
     eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     eos = [e for e in eos if e is not None and e != tokenizer.unk_token_id]

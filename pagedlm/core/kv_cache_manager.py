@@ -14,12 +14,9 @@ from dataclasses import dataclass
 
 from pagedlm.core.block_pool import BlockPool, KVCacheBlock
 from pagedlm.core.request import Request
+from pagedlm.utils import cdiv
 
 _NEVER_CACHE = 1 << 62  # num_cached_block of a request whose blocks must not be shared
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedlm.lora.request import LoRARequest
 from pagedlm.pooling_params import PoolingParams
+from pagedlm.runner_outputs import LogprobsLists
 from pagedlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -82,15 +83,6 @@ class SchedulerOutput:
 
 
 @dataclass
-class LogprobsLists:
-    """Logprobs of sampled tokens: per token, ids and logprobs (sampled first, then top-k)."""
-
-    logprob_token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    sampled_token_ranks: list[int]
-
-
-@dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -106,19 +98,3 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Per request that produced something this step (sampled a token or prompt logprobs).
-
-    With speculative decoding a request may get several tokens: its accepted drafts, then one
-    token of the target model. `spec_token_ids` are the drafts proposed for the next step.
-    """
-
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    pooler_output: dict[str, Any] = field(default_factory=dict)
-    sampling_mask: dict[str, list[list[int]]] = field(default_factory=dict)  # return_sampling_mask

@@ -19,12 +19,8 @@ from dataclasses import dataclass, field
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
-from pagedlm.core.sched_output import (
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from pagedlm.core.sched_output import EngineCoreOutput, NewRequestData, SchedulerOutput
+from pagedlm.runner_outputs import ModelRunnerOutput
 from pagedlm.structured_output import advance_grammar
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedlm.config import VllmConfig
-from pagedlm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
@@ -38,6 +38,7 @@ from pagedlm.outputs import RequestOutput
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.structured_output import StructuredOutputManager
+from pagedlm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlm.core.sched_output import EngineCoreOutput, LogprobsLists
+from pagedlm.core.sched_output import EngineCoreOutput
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.engine.detokenizer_utils import (
     REPLACEMENT_CHAR,
@@ -36,6 +36,7 @@ from pagedlm.outputs import (
     RequestStateStats,
     SamplingMask,
 )
+from pagedlm.runner_outputs import LogprobsLists
 from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedlm import envs
 from pagedlm.config import ModelConfig
 
 
@@ -13,10 +14,9 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
     if model_config.tokenizer.endswith(".gguf"):
-        from pagedlm.model_loader.catalog import cache_dir
         from pagedlm.model_loader.gguf_loader import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(model_config.tokenizer, cache_dir())
+        return load_gguf_tokenizer(model_config.tokenizer, envs.cache_dir())
     try:
         return AutoTokenizer.from_pretrained(
             model_config.tokenizer,
@@ -50,10 +50,9 @@ def get_tokenizer(
             f"tokenizer_mode={tokenizer_mode!r} is not supported by pagedlm (auto, hf, slow)."
         )
     if str(tokenizer_name).endswith(".gguf"):
-        from pagedlm.model_loader.catalog import cache_dir
         from pagedlm.model_loader.gguf_loader import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(str(tokenizer_name), cache_dir())
+        return load_gguf_tokenizer(str(tokenizer_name), envs.cache_dir())
     from transformers import AutoTokenizer
 
     kwargs.setdefault("use_fast", tokenizer_mode != "slow")

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedlm.config import VllmConfig
-from pagedlm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.runner_outputs import ModelRunnerOutput
 
 
 class Executor(ABC):

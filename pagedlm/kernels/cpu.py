@@ -97,13 +97,11 @@ def _build() -> Path | None:
     compiler = envs.CC or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
-    from pagedlm.model_loader.catalog import cache_dir
-
     sources = sorted(_CSRC.glob("*.c"))
     digest = hashlib.sha256(" ".join(_FLAGS).encode() + _cpu_flags().encode())
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
-    target = cache_dir() / "kernels" / f"pagedlm_cpu-{digest.hexdigest()[:16]}.so"
+    target = envs.cache_dir() / "kernels" / f"pagedlm_cpu-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@
 - `gguf_dequantize_rows`: a tile of W rows as bf16/fp32, for prefill GEMMs on oneDNN.
 - `quantize_rows_q8`: the kernels' activation quantization alone (for the tests).
 
-The layout is `pagedlm.layers.quantization.gguf_pack.PackedGGUFWeight`; its PyTorch twins
+The layout is `pagedlm.kernels.gguf_pack.PackedGGUFWeight`; its PyTorch twins
 (`dequantize_packed`, `quantize_activations`) are the oracle.
 """
 
@@ -20,7 +20,7 @@ import functools
 import torch
 
 from pagedlm.kernels.cpu import _FLOATS, _i64, _int, _ptr, checked, cpu_kernels, declare
-from pagedlm.layers.quantization.gguf_pack import TILE_ROWS, PackedGGUFWeight
+from pagedlm.kernels.gguf_pack import TILE_ROWS, PackedGGUFWeight
 
 declare("gguf_vnni_compiled", [], _int)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedlm.core.sched_output import LogprobsLists
 from pagedlm.kernels.cpu import argmax_rows, kernels_for
+from pagedlm.runner_outputs import LogprobsLists
 from pagedlm.structured_output.bitmask import apply_grammar_bitmask
 
 

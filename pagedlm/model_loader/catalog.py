@@ -60,13 +60,6 @@ CATALOG: dict[str, PackagedModel] = {
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 
-def cache_dir() -> Path:
-    if envs.PAGEDLM_CACHE_DIR:
-        return Path(envs.PAGEDLM_CACHE_DIR)
-    base = envs.XDG_CACHE_HOME or str(Path.home() / ".cache")
-    return Path(base) / "pagedlm"
-
-
 def _chunk_paths(model: PackagedModel) -> list[Path]:
     paths = []
     for module, filename in model.chunks:
@@ -81,14 +74,6 @@ def _chunk_paths(model: PackagedModel) -> list[Path]:
             )
         paths.append(path)
     return paths
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _verified_marker(target: Path) -> Path:
@@ -108,7 +93,7 @@ def _is_valid(model: PackagedModel, target: Path) -> bool:
 
 def assemble(model: PackagedModel, directory: Path | None = None) -> Path:
     """Concatenate the chunks into `directory/filename` (idempotent, atomic, sha256-checked)."""
-    directory = directory or cache_dir()
+    directory = directory or envs.cache_dir()
     target = directory / model.filename
     if _is_valid(model, target):
         return target

@@ -165,9 +165,9 @@ def iterate_gguf(
     in fp32 and rounded once, as copying into a `dtype` parameter would; half the transient
     memory of fp32 for bf16 models), vectors in fp32; under quantization="gguf" linear
     weights of types with packed kernels come as GGUFRawTensor (raw blocks) instead."""
+    from pagedlm.kernels.gguf_pack import can_pack
+    from pagedlm.kernels.gguf_quants import dequantize
     from pagedlm.layers.quantization.gguf import GGUFRawTensor
-    from pagedlm.layers.quantization.gguf_pack import can_pack
-    from pagedlm.model_loader.gguf_quants import dequantize
 
     reader = _reader(str(path))
     arch = _field(reader, "general.architecture")

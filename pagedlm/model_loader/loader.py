@@ -12,9 +12,9 @@ from torch import nn
 
 from pagedlm.config import ModelConfig
 from pagedlm.layers.quantization import set_quantization
-from pagedlm.model_loader.reload import finalize_weights
 from pagedlm.model_loader.safetensors_loader import iterate_safetensors
 from pagedlm.models.registry import ModelRegistry
+from pagedlm.models.weight_reload import finalize_weights
 
 logger = logging.getLogger(__name__)
 

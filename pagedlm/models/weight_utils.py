@@ -3,7 +3,7 @@
 Two regimes, chosen by the model's state:
 - before `finalize_weights` (checkpoint loading): strict, every parameter must be provided;
 - after it (RL updates, `model.load_weights([(name, tensor)])`): incremental and non-strict,
-  any subset in any number of calls, all-or-nothing per call (see model_loader/reload.py).
+  any subset in any number of calls, all-or-nothing per call (see models/weight_reload.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def load_packed_weights(
     finalized, loading is incremental (only the names given change).
     """
     if getattr(model, "weights_finalized", False):
-        from pagedlm.model_loader.reload import load_weights_incremental
+        from pagedlm.models.weight_reload import load_weights_incremental
 
         return load_weights_incremental(model, weights, stacked_params_mapping, skip_suffixes)
     params = dict(model.named_parameters(remove_duplicate=False))

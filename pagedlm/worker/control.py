@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagedlm.layers.attention import allocate_kv_caches
-from pagedlm.model_loader.reload import check_can_discard, discard_weights, weights_missing
+from pagedlm.models.weight_reload import check_can_discard, discard_weights, weights_missing
 from pagedlm.worker.profiler import WorkerProfiler
 
 logger = logging.getLogger(__name__)

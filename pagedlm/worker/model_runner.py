@@ -21,8 +21,7 @@ from pagedlm import envs
 from pagedlm.attention.backend import get_attn_backend
 from pagedlm.attention.kv_cache_dtype import kv_cache_torch_dtype
 from pagedlm.config import VllmConfig
-from pagedlm.core.kv_cache_manager import cdiv
-from pagedlm.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.distributed import get_tp_group
 from pagedlm.exceptions import blame_request
 from pagedlm.forward_context import set_forward_context
@@ -35,14 +34,16 @@ from pagedlm.layers.attention import (
 from pagedlm.layers.sampler import Sampler, gather_logprobs
 from pagedlm.lora.layers import activate as activate_lora
 from pagedlm.lora.manager import WorkerLoRAManager
-from pagedlm.lora.worker_mixin import lora_step_mapping
 from pagedlm.model_loader.loader import get_model
 from pagedlm.models.llama_decode_plan import DecodeBuffers, LlamaDecodePlan
+from pagedlm.runner_outputs import LogprobsLists, ModelRunnerOutput
 from pagedlm.spec_decode.draft_model import DraftModelProposer
 from pagedlm.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagedlm.spec_decode.rejection_sampler import verify_greedy, verify_random
 from pagedlm.structured_output.bitmask import grammar_rows
+from pagedlm.utils import cdiv
 from pagedlm.worker.input_batch import CachedRequestState, InputBatch
+from pagedlm.worker.lora_model_runner_mixin import lora_step_mapping
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
 from pagedlm.worker.step_inputs import StepInputs, build_step_inputs
 

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from pagedlm.config import VllmConfig
-from pagedlm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.distributed import init_distributed_environment
 from pagedlm.gc_utils import freeze_gc_heap
-from pagedlm.lora.worker_mixin import WorkerLoRAMixin
 from pagedlm.platforms import current_platform
+from pagedlm.runner_outputs import ModelRunnerOutput
 from pagedlm.worker.control import WorkerControlMixin
+from pagedlm.worker.lora_model_runner_mixin import WorkerLoRAMixin
 from pagedlm.worker.model_runner import ModelRunner
 from pagedlm.worker.profiler import WorkerProfiler
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.model_loader.reload import current_dense
+from pagedlm.models.weight_reload import current_dense
 
 pytestmark = pytest.mark.slow
 MODEL = "qwen2.5-coder-0.5b-instruct"

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from pagedlm import envs
 from pagedlm.model_loader import catalog
 from pagedlm.model_loader.catalog import PackagedModel, assemble
 
@@ -69,10 +70,10 @@ def test_missing_package_gives_the_fix_command(fake_model, tmp_path) -> None:
 
 def test_cache_dir_respects_env(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path / "x"))
-    assert catalog.cache_dir() == tmp_path / "x"
+    assert envs.cache_dir() == tmp_path / "x"
     monkeypatch.delenv("PAGEDLM_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert catalog.cache_dir() == tmp_path / "xdg" / "pagedlm"
+    assert envs.cache_dir() == tmp_path / "xdg" / "pagedlm"
 
 
 def test_unknown_name_is_not_packaged() -> None:

@@ -516,9 +516,9 @@ def test_correct_decoded_tokens_leaves_whole_strings(tok) -> None:
 @pytest.mark.parametrize("flat", [False, True])
 def test_sample_logprobs_complete_partial_characters(sp_tok, flat: bool) -> None:
     """The output processor corrects decoded_token with the tokens sampled before it."""
-    from pagedlm.core.sched_output import LogprobsLists
     from pagedlm.engine.input_processor import EngineCoreRequest
     from pagedlm.engine.output_processor import RequestState
+    from pagedlm.runner_outputs import LogprobsLists
     from pagedlm.sampling_params import SamplingParams
 
     params = SamplingParams(logprobs=1, flat_logprobs=flat)

@@ -20,14 +20,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedlm.kernels import gguf as kg
 from pagedlm.kernels.cpu import cpu_kernels
-from pagedlm.layers.quantization.gguf_pack import (
+from pagedlm.kernels.gguf_pack import (
     PACKABLE_TYPES,
     can_pack,
     dequantize_packed,
     pack_gguf,
     quantize_activations,
 )
-from pagedlm.model_loader.gguf_quants import dequantize
+from pagedlm.kernels.gguf_quants import dequantize
 from tests.unit.test_gguf_quants import FP16_FIELDS, random_blocks
 
 T = GGMLQuantizationType

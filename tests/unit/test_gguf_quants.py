@@ -1,4 +1,4 @@
-"""GGML dequantization (pagedlm.model_loader.gguf_quants) against gguf's numpy reference.
+"""GGML dequantization (pagedlm.kernels.gguf_quants) against gguf's numpy reference.
 
 Every comparison is exact (float32, atol 0): our kernels do the same float32 operations in the
 same order as ``gguf.quants`` / ggml (e.g. ``(d * scale) * q - dmin * min``), so there is no
@@ -17,8 +17,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf import quants as gq
 
-from pagedlm.model_loader import gguf_quants
-from pagedlm.model_loader.gguf_quants import SUPPORTED_TYPES, dequantize
+from pagedlm.kernels import gguf_quants
+from pagedlm.kernels.gguf_quants import SUPPORTED_TYPES, dequantize
 
 T = GGMLQuantizationType
 QUANTIZED = [T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K]

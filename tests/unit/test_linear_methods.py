@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedlm.kernels.gguf_pack import quantize_activations
+from pagedlm.kernels.gguf_quants import dequantize
 from pagedlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from pagedlm.layers.quantization import (
     UnquantizedLinearMethod,
     set_quantization,
 )
 from pagedlm.layers.quantization.gguf import GGUFLinearMethod, GGUFRawTensor
-from pagedlm.layers.quantization.gguf_pack import quantize_activations
 from pagedlm.layers.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_per_channel
-from pagedlm.model_loader.gguf_quants import dequantize
 from tests.unit.test_gguf_matmul import _raw
 
 T = GGMLQuantizationType

@@ -17,8 +17,9 @@ import pytest
 from pagedlm.config import CacheConfig, SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
-from pagedlm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
+from pagedlm.runner_outputs import ModelRunnerOutput
 from pagedlm.sampling_params import SamplingParams
 
 

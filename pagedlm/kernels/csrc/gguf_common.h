@@ -1,7 +1,7 @@
 // Shared by the packed-GGUF kernels (gguf_matmul.c: GEMV and dequantization, gguf_gemm.c:
 // the batched integer GEMM): the weight descriptor, row quantization, tile unpacking.
 // The layout (16-row tiles in VNNI order) is documented in
-// pagedlm/layers/quantization/gguf_pack.py and at the top of gguf_matmul.c.
+// pagedlm/kernels/gguf_pack.py and at the top of gguf_matmul.c.
 #pragma once
 #include <stdlib.h>
 

@@ -4,7 +4,7 @@
 //
 // q is unsigned, `bits` wide (4, 5, 6 or 8), in tiles of 16 rows stored in VNNI order: one
 // 64-byte vector holds 4 consecutive values of each of the 16 rows (layout in
-// pagedlm/layers/quantization/gguf_pack.py). 8-bit q is stored as it is; narrower q as nibble
+// pagedlm/kernels/gguf_pack.py). 8-bit q is stored as it is; narrower q as nibble
 // pairs (two k-quad vectors per 64 bytes) plus 64-bit masks for bits 4 and 5.
 //
 // Decode (`gguf_gemv`): x is quantized per row and 32-value block to int8 (d = amax / 127,

@@ -23,14 +23,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pagedlm.kernels import gguf as gguf_kernels
-from pagedlm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
-from pagedlm.layers.quantization.gguf_pack import (
+from pagedlm.kernels.gguf_pack import (
     PackedGGUFWeight,
     can_pack,
     dequantize_packed,
     pack_gguf,
 )
-from pagedlm.model_loader.gguf_quants import dequantize
+from pagedlm.kernels.gguf_quants import dequantize
+from pagedlm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
 
 GEMV_ROWS = 4  # integer GEMV up to here, the integer GEMM past it (crossover 4-8 rows)
 _TILE_VALUES = 1 << 20  # weight values dequantized per prefill tile (2 MB in bf16)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pagedlm.model_loader.gguf_blocks import BLOCK_DECODERS
+from pagedlm.kernels.gguf_blocks import BLOCK_DECODERS
 
 __all__ = ["SUPPORTED_TYPES", "dequantize"]
 
