@@ -347,7 +347,7 @@ class EngineArgs:
         pooling = runner == "pooling"
         # Pooling requests are computed whole in one step (encoders attend bidirectionally,
         # MEAN / CLS pooling reads every row), except a causal decoder's LAST pooling (as vLLM)
-        whole_prompts = pooling and not getattr(model_cls, "supports_chunked_pooling", False)
+        whole_prompts = pooling and not model_cls.supports_chunked_pooling
         chunked = not whole_prompts and self.enable_chunked_prefill is not False
         prefix_caching = not whole_prompts and self.enable_prefix_caching is not False
         max_batched = self.max_num_batched_tokens or 4096

@@ -141,7 +141,7 @@ class AsyncLLM:
         async with self._lock():
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, self.engine.sleep, level, mode)
-            self._dispatch(self.engine.take_stashed_outputs())
+            self._dispatch(self.engine.sleep_manager.take_stashed_outputs())
             live = self.engine.output_processor.external_to_internal
             for rid in [r for r in self._queues if r not in live]:  # aborted by the sleep
                 self._end_aborted(rid)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -20,13 +19,15 @@ from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.arg_utils import EngineArgs
-from pagedlm.engine.control import EngineControlMixin
 from pagedlm.engine.input_processor import EngineCoreRequest, InputProcessor
+from pagedlm.engine.kv_cache_sizing import determine_num_blocks
+from pagedlm.engine.lora_adapters import LoRAAdapters
 from pagedlm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedlm.engine.sleep import SleepManager
 from pagedlm.engine.tokenizer import load_tokenizer
+from pagedlm.engine.weight_sync import WeightSync
 from pagedlm.executor import Executor
 from pagedlm.gc_utils import freeze_gc_heap
-from pagedlm.lora.engine import EngineLoRAMixin
 from pagedlm.metrics import (
     IterationStats,
     Metric,
@@ -38,12 +39,11 @@ from pagedlm.outputs import RequestOutput
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.structured_output import StructuredOutputManager
-from pagedlm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineControlMixin, EngineLoRAMixin):
+class LLMEngine:
     def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
@@ -51,7 +51,7 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         self.log_stats = log_stats
         self.tokenizer = load_tokenizer(self.model_config)
         self.model_executor = Executor.get_class(vllm_config)(vllm_config)
-        num_blocks = self._determine_num_blocks()
+        num_blocks = determine_num_blocks(vllm_config, self.model_executor)
         self.cache_config.num_gpu_blocks = num_blocks
         block_size = self.cache_config.block_size
         self.model_executor.initialize_kv_cache(num_blocks, block_size)
@@ -82,8 +82,17 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         self._num_preemptions_logged = 0
         self._step_in_flight: SchedulerOutput | None = None  # set while a step runs
         self.last_step_error: str | None = None  # the cause of the last failed step
-        self._init_control()
-        self._init_lora()
+        # the parts it owns, each named after what it controls
+        self.weight_sync = WeightSync(self.model_executor, kv_cache_manager)
+        self.sleep_manager = SleepManager(
+            self.model_executor,
+            self.scheduler,
+            self.weight_sync,
+            enable_sleep_mode=vllm_config.enable_sleep_mode,
+            stat_logger=self.stat_logger,
+        )
+        self.lora_config = lora
+        self.lora_adapters = LoRAAdapters(lora, self.model_executor, self.scheduler)
         freeze_gc_heap()
 
     @classmethod
@@ -96,64 +105,6 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
     @property
     def kv_cache_manager(self) -> KVCacheManager:
         return self.scheduler.kv_cache_manager
-
-    def _determine_num_blocks(self) -> int:
-        """Blocks every rank can hold (each rank stores its own heads of every block)."""
-        cache, sched = self.cache_config, self.vllm_config.scheduler_config
-        block_size = cache.block_size
-        per_block = max(
-            self.model_executor.collective_rpc("get_kv_cache_bytes_per_block", args=(block_size,))
-        )
-        max_len = self.model_config.max_model_len
-        blocks_per_seq = cdiv(max_len, block_size)
-        budget = cache.kv_cache_memory_bytes
-        if cache.num_gpu_blocks_override is not None:
-            num_blocks = cache.num_gpu_blocks_override
-        else:
-            if budget is None:
-                budget = min(
-                    self.model_executor.collective_rpc(
-                        "determine_available_memory", args=(cache.gpu_memory_utilization,)
-                    )
-                )
-            # More blocks than max_num_seqs full-length sequences would never be used at once.
-            num_blocks = min(budget // max(per_block, 1), sched.max_num_seqs * blocks_per_seq + 1)
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"The KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks), "
-                f"fewer than one sequence of max_model_len={max_len}. "
-                + self._kv_budget_advice(blocks_per_seq, blocks_per_seq * per_block, budget)
-            )
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for %d tokens per "
-            "request: %.2fx",
-            num_blocks,
-            block_size,
-            num_blocks * per_block / 2**30,
-            max_len,
-            num_blocks / blocks_per_seq,
-        )
-        return num_blocks
-
-    def _kv_budget_advice(self, blocks_needed: int, bytes_needed: int, budget: int | None) -> str:
-        """Which option to raise, and to what, for one sequence of max_model_len to fit
-        (`budget`: the bytes a rank was given)."""
-        cache = self.cache_config
-        gib = f"{bytes_needed / 2**30:.2f} GiB"
-        if cache.num_gpu_blocks_override is not None:
-            return f"Raise num_gpu_blocks_override to at least {blocks_needed}."
-        if cache.kv_cache_memory_bytes is not None:
-            return f"Raise kv_cache_memory_bytes to at least {bytes_needed} ({gib})."
-        world = self.vllm_config.parallel_config.world_size
-        total = self.model_executor.collective_rpc("total_memory_bytes")[0]
-        utilization = cache.gpu_memory_utilization
-        raised = utilization + (bytes_needed - (budget or 0)) * world / total
-        raised = min(math.ceil(raised * 100) / 100, 1.0)
-        return (
-            f"It needs {gib} per rank: pass kv_cache_memory_bytes={bytes_needed}, raise "
-            f"gpu_memory_utilization from {utilization} to at least {raised} (if that much "
-            "memory is free), or lower max_model_len."
-        )
 
     # ---------------------------------------------------------------- requests
     def get_tokenizer(self) -> Any:
@@ -183,7 +134,7 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
                 f"Got priority {priority} but Priority scheduling is not enabled. Pass "
                 "scheduling_policy='priority' to the engine."
             )
-        lora_request = self.check_lora_request(lora_request)
+        lora_request = self.lora_adapters.check_lora_request(lora_request)
         if request_id in self.output_processor.external_to_internal:
             raise ValueError(f"Request id {request_id} is already in use by a running request.")
         internal_id = f"{request_id}-{secrets.token_hex(4)}"
@@ -296,12 +247,12 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        self.check_awake()
+        self.sleep_manager.check_awake()
         if self._step_in_flight is not None:  # interrupted (Ctrl-C) inside the last step
             self._recover_from_failed_step([])
         if not self.scheduler.has_unfinished_requests():
             return []
-        self.sync_weights_generation()
+        self.weight_sync.before_step()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled_req_ids:
             raise RuntimeError(
@@ -330,7 +281,7 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
             for extra in self.extra_stat_loggers:
                 extra.record(sched_stats, iteration_stats)
             if self.lora_config is not None:
-                running, waiting = self.lora_stats()
+                running, waiting = self.lora_adapters.lora_stats()
                 self.stat_logger.record_lora_info(running, waiting, self.lora_config.max_loras)
         return request_outputs
 
@@ -404,8 +355,66 @@ class LLMEngine(EngineControlMixin, EngineLoRAMixin):
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        self._note_control_rpc()
         return self.model_executor.collective_rpc(method, timeout, args, kwargs)
+
+    # -------------------------------------- control: the owned parts do the work
+    def _settle_requests(self, mode: str) -> list[RequestOutput]:
+        """Before sleeping: "abort" every request, or "wait" (step until none is left: the
+        outputs of those that finished), or "keep" them (preempted, recomputed after)."""
+        finished: list[RequestOutput] = []
+        if mode == "abort":
+            self.abort_all_requests()
+        while mode == "wait" and self.has_unfinished_requests():
+            finished += [o for o in self.step() if o.finished]
+        return finished
+
+    def check_can_generate(self) -> None:
+        """Raise (before any request is added) if a step could not run now."""
+        self.sleep_manager.check_awake()
+        self.weight_sync.check_weights_present()
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.sleep_manager.sleep(level, mode, self._settle_requests)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return self.sleep_manager.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_manager.is_sleeping()
+
+    def release_kv_cache_memory(self) -> None:
+        self.sleep_manager.release_kv_cache_memory()
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_sync.weight_version = version
+
+    def get_weight_version(self) -> str | None:
+        return self.weight_sync.weight_version
+
+    def add_lora(self, lora_request: Any) -> bool:
+        return self.lora_adapters.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.lora_adapters.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.lora_adapters.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.lora_adapters.pin_lora(lora_id)
+
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        args = (profile_prefix, delay_iterations, max_iterations)
+        self.model_executor.collective_rpc("start_profile", args=args)
+
+    def stop_profile(self) -> list[str]:
+        return self.model_executor.collective_rpc("stop_profile")
 
     def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
         return self.collective_rpc("apply_model", args=(func,))

@@ -293,7 +293,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         # Every adapter is loaded and validated before any request is queued: a bad adapter
         # raises (naming itself) with nothing of this call left in the engine.
         for lora in {id(x): x for x in lora_list if x is not None}.values():
-            self.llm_engine.check_lora_request(lora)
+            self.llm_engine.lora_adapters.check_lora_request(lora)
         for p in param_list:
             p.output_kind = RequestOutputKind.FINAL_ONLY
         added: list[str] = []
@@ -324,9 +324,11 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
     ) -> list[Any]:
         engine = self.llm_engine
         output_type = output_type or (RequestOutput, PoolingRequestOutput)
-        stashed = engine.take_stashed_outputs()  # finished while sleep(mode="wait") drained
+        stashed = (
+            engine.sleep_manager.take_stashed_outputs()
+        )  # finished while sleep(mode="wait") drained
         if engine.has_unfinished_requests():
-            engine.check_awake()
+            engine.sleep_manager.check_awake()
         pbar = None
         if use_tqdm:
             tqdm_func = use_tqdm if callable(use_tqdm) else tqdm

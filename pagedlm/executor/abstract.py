@@ -24,6 +24,7 @@ class Executor(ABC):
         self.vllm_config = vllm_config
         self.parallel_config = vllm_config.parallel_config
         self.is_failed = False
+        self._weights_changed = False
 
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type[Executor]:
@@ -54,9 +55,12 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.collective_rpc("initialize_kv_cache", args=(num_blocks, block_size))
 
-    def get_weights_generation(self) -> int:
-        """How many weight updates the workers have committed (rank 0's count)."""
-        return self.collective_rpc("get_weights_generation")[0]
+    def take_weights_changed(self) -> bool:
+        """Whether a worker committed new weights (by any path: weight transfer, `load_weights`
+        on the model, `collective_rpc`) since the last call. Worker processes say so with
+        their replies; the in-process executor asks its worker."""
+        changed, self._weights_changed = self._weights_changed, False
+        return changed
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=10)

@@ -183,9 +183,9 @@ def _worker_main(
         worker.init_device()
         worker.load_model()
     except BaseException as e:
-        conn.send_bytes(cloudpickle.dumps(("error", _pack_error(e))))
+        conn.send_bytes(cloudpickle.dumps(("error", _pack_error(e), False)))
         return
-    conn.send_bytes(cloudpickle.dumps(("ok", None)))
+    conn.send_bytes(cloudpickle.dumps(("ok", None, False)))
     while True:
         try:
             method, args, kwargs = cloudpickle.loads(conn.recv_bytes())
@@ -194,9 +194,10 @@ def _worker_main(
         if method == _SHUTDOWN:
             return
         try:
-            reply = cloudpickle.dumps(("ok", run_method(worker, method, args, kwargs)))
+            result = run_method(worker, method, args, kwargs)
+            reply = cloudpickle.dumps(("ok", result, worker.take_weights_changed()))
         except BaseException as e:
-            reply = cloudpickle.dumps(("error", _pack_error(e)))
+            reply = cloudpickle.dumps(("error", _pack_error(e), worker.take_weights_changed()))
         conn.send_bytes(reply)
 
 
@@ -226,7 +227,7 @@ def _stop_workers(processes: list[mp.Process], conns: list[Connection]) -> None:
 _STATELESS_CALLS = frozenset(
     {
         "execute_model", "reset_requests", "get_kv_cache_bytes_per_block",
-        "determine_available_memory", "get_weights_generation", "check_health",
+        "determine_available_memory", "check_health",
         "check_weights_present", "list_loras", "check_can_sleep",
     }
 )  # fmt: skip
@@ -310,7 +311,8 @@ class MultiprocExecutor(Executor):
                     "the timeout"
                 )
             replies[rank] = reply
-            status, value = reply
+            status, value, weights_changed = reply
+            self._weights_changed = self._weights_changed or weights_changed
             if status == "error" and error is None:
                 exc, text = cloudpickle.loads(value)
                 if hasattr(exc, "add_note"):
@@ -344,7 +346,7 @@ class MultiprocExecutor(Executor):
         dead = [sentinels[s] for s in ready if s in sentinels]
         if dead:
             self._fail(dead[0], method)
-        return None, ("", None)
+        return None, ("", None, False)
 
     def _note_state_change(self, method: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         """Record what a restart must replay, or the first call it could not reproduce."""

@@ -20,8 +20,8 @@ class UniProcExecutor(Executor):
         self.driver_worker.init_device()
         self.driver_worker.load_model()
 
-    def get_weights_generation(self) -> int:
-        return self.driver_worker.get_weights_generation()
+    def take_weights_changed(self) -> bool:
+        return self.driver_worker.take_weights_changed()
 
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives and dies with this process."""

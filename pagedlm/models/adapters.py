@@ -17,6 +17,7 @@ from torch import nn
 
 from pagedlm.layers.linear import ReplicatedLinear
 from pagedlm.layers.pooler import ClassifierPooler, EmbeddingPooler
+from pagedlm.models.interfaces import ModelBase
 from pagedlm.models.weight_utils import load_packed_weights
 
 
@@ -30,12 +31,13 @@ def _with_model_prefix(weights: Iterable[tuple[str, torch.Tensor]], keep: tuple[
         yield name, tensor
 
 
-class _PooledDecoder(nn.Module):
+class _PooledDecoder(ModelBase):
     """A causal decoder's `model` (its final hidden states) under a LAST pooler."""
 
     model: nn.Module
     # a prompt's last row sees all of it: prompts may be chunked and start from cached blocks
     supports_chunked_pooling = True
+    is_pooling_model = True
 
     def forward(
         self,
@@ -48,9 +50,9 @@ class _PooledDecoder(nn.Module):
         return self.model(input_ids, positions, output_rows)
 
 
-def as_embedding_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
+def as_embedding_model(causal_cls: type[ModelBase]) -> type[ModelBase]:
     class EmbeddingModel(_PooledDecoder):
-        supports_output_rows = getattr(causal_cls, "supports_output_rows", False)
+        supports_output_rows = causal_cls.supports_output_rows
 
         def __init__(self, config: Any, max_position: int, model_dir: str | None = None):
             super().__init__()
@@ -70,9 +72,9 @@ def as_embedding_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
     return EmbeddingModel
 
 
-def as_seq_cls_model(causal_cls: type[nn.Module]) -> type[nn.Module]:
+def as_seq_cls_model(causal_cls: type[ModelBase]) -> type[ModelBase]:
     class ForSequenceClassification(_PooledDecoder):
-        supports_output_rows = getattr(causal_cls, "supports_output_rows", False)
+        supports_output_rows = causal_cls.supports_output_rows
 
         def __init__(self, config: Any, max_position: int, model_dir: str | None = None):
             super().__init__()

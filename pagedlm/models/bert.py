@@ -34,6 +34,7 @@ from pagedlm.layers.linear import (
 )
 from pagedlm.layers.pooler import ClassifierPooler, EmbeddingPooler
 from pagedlm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedlm.models.interfaces import ModelBase
 from pagedlm.models.weight_utils import load_packed_weights
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -276,13 +277,14 @@ class BertEncoder(nn.Module):
         return hidden_states
 
 
-class BertModel(nn.Module):
+class BertModel(ModelBase):
     """BERT encoder for embeddings: flat packed tokens -> last hidden states [T, hidden].
 
     `pooler` (an EmbeddingPooler) is applied by the runner to each request's rows.
     """
 
     accepts_token_type_ids = True
+    is_pooling_model = True
     # Checkpoint heads a BertModel does not use (BertModel's own `pooler.dense`, MLM/NSP `cls`,
     # a classifier's `classifier`).
     _unused_prefixes = ("pooler.", "cls.", "classifier.", "qa_outputs.")
@@ -332,7 +334,7 @@ class BertPooler(nn.Module):
         return torch.tanh(self.dense(x))
 
 
-class BertForSequenceClassification(nn.Module):
+class BertForSequenceClassification(ModelBase):
     """BERT + pooler (dense + tanh on CLS) + classifier; `pooler` gives class scores.
 
     Checkpoint `bert.pooler.dense.*` loads into `bert_pooler.dense.*` (our `bert.pooler` is the
@@ -340,6 +342,7 @@ class BertForSequenceClassification(nn.Module):
     """
 
     accepts_token_type_ids = True
+    is_pooling_model = True
 
     def __init__(self, config: Any, max_position: int, model_dir: str | None = None) -> None:
         super().__init__()

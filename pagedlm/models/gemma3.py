@@ -27,6 +27,7 @@ from pagedlm.layers.layernorm import RMSNorm
 from pagedlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedlm.layers.rotary_embedding import get_rope
 from pagedlm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.models.interfaces import ModelBase
 from pagedlm.models.llama import LlamaForCausalLM, LlamaMLP, run_decoder_layers
 from pagedlm.models.weight_utils import load_packed_weights
 
@@ -177,7 +178,7 @@ class Gemma3Model(nn.Module):
         return hidden_states
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(ModelBase):
     model_cls = Gemma3Model  # as LlamaForCausalLM.model_cls: the pooling adapters build it
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping

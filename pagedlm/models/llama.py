@@ -18,6 +18,7 @@ from pagedlm.layers.layernorm import RMSNorm
 from pagedlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedlm.layers.rotary_embedding import get_rope
 from pagedlm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlm.models.interfaces import ModelBase
 from pagedlm.models.weight_utils import load_packed_weights
 from pagedlm.platforms import current_platform
 
@@ -196,7 +197,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ModelBase):
     model_cls: type[LlamaModel] = LlamaModel
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],

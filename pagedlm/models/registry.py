@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from torch import nn
+from pagedlm.models.interfaces import ModelBase
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -34,8 +34,14 @@ _ADAPTED: dict[str, tuple[str, str]] = {
 }
 
 
-def _load(module: str, cls: str) -> type[nn.Module]:
-    return getattr(importlib.import_module(f"pagedlm.models.{module}"), cls)
+def _load(module: str, cls: str) -> type[ModelBase]:
+    model_cls = getattr(importlib.import_module(f"pagedlm.models.{module}"), cls)
+    if not (isinstance(model_cls, type) and issubclass(model_cls, ModelBase)):
+        raise TypeError(
+            f"pagedlm.models.{module}.{cls} must derive from pagedlm.models.interfaces.ModelBase "
+            "(it declares what the engine asks of a model)."
+        )
+    return model_cls
 
 
 class ModelRegistry:
@@ -50,7 +56,7 @@ class ModelRegistry:
     @staticmethod
     def resolve_model_cls(
         architecture: str, runner: str = "auto", convert: str = "auto"
-    ) -> tuple[type[nn.Module], str, str | None]:
+    ) -> tuple[type[ModelBase], str, str | None]:
         """(model class, runner type "generate"|"pooling", pooling task or None)."""
         from pagedlm.models.adapters import as_embedding_model, as_seq_cls_model
 

@@ -12,8 +12,8 @@ Invariants:
   copies in place where the parameter is still dense (tied weights stay tied) and replaces it
   where a compute layout took its place; every module whose `process_weights_after_loading`
   reads a touched parameter runs it again, so derived copies are never stale. Quantized
-  layers (GGUF packed, int8) refuse updates. `model.weights_generation` counts committed
-  updates (the engine invalidates the prefix cache when it moves).
+  layers (GGUF packed, int8) refuse updates. Each committed update calls
+  `model.weights_changed_callback` (the worker's: the engine invalidates its prefix cache).
 - `discard_weights` (sleep level 2) frees every parameter's storage; until each one has been
   loaded again `weights_missing(model)` names what is missing.
 """
@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pagedlm.models.interfaces import ModelBase
 
 _DERIVED_ATTRS = ("packed_weight", "logits_weight")  # prepacked copies of a module's weight
 
@@ -50,7 +52,7 @@ def quantized_method(module: nn.Module) -> str | None:
     return type(method).__name__
 
 
-def finalize_weights(model: nn.Module) -> None:
+def finalize_weights(model: ModelBase) -> None:
     """Record loaders and dense specs, then build the derived (prepacked) copies."""
     params = model.named_parameters(remove_duplicate=False)
     model._pagedlm_weight_specs = {  # type: ignore[assignment]
@@ -60,7 +62,6 @@ def finalize_weights(model: nn.Module) -> None:
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     model.weights_finalized = True  # type: ignore[assignment]
-    model.weights_generation = 0  # type: ignore[assignment]
     model._pagedlm_discarded = {}  # type: ignore[assignment]
 
 
@@ -162,7 +163,7 @@ def _validate(
 
 
 def load_weights_incremental(
-    model: nn.Module,
+    model: ModelBase,
     weights: Iterable[tuple[str, torch.Tensor]],
     stacked_params_mapping: list[tuple[str, str, object]],
     skip_suffixes: tuple[str, ...] = (),
@@ -198,7 +199,8 @@ def load_weights_incremental(
     if staged:
         _note_restored(model, params, shards)  # before commit: ids of the old objects
         _commit(model, params, staged)
-        model.weights_generation += 1  # type: ignore[operator]
+        if model.weights_changed_callback is not None:
+            model.weights_changed_callback()
     return set(staged)
 
 

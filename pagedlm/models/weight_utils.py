@@ -42,7 +42,7 @@ def load_packed_weights(
     it, and for parameters the checkpoint did not provide. Once the model's weights are
     finalized, loading is incremental (only the names given change).
     """
-    if getattr(model, "weights_finalized", False):
+    if model.weights_finalized:
         from pagedlm.models.weight_reload import load_weights_incremental
 
         return load_weights_incremental(model, weights, stacked_params_mapping, skip_suffixes)

@@ -48,7 +48,7 @@ class DraftModelProposer:
         """Fill the draft's KV for this step's tokens (the target's metadata: same slots). Its
         outputs are not used: its last layer computes the target's output rows alone, if any."""
         kwargs = {}
-        if output_rows is not None and getattr(self.model, "supports_output_rows", False):
+        if output_rows is not None and self.model.supports_output_rows:
             kwargs["output_rows"] = output_rows
         with set_forward_context(attn_metadata):
             self.model(input_ids, positions, **kwargs)

@@ -51,9 +51,6 @@ class WorkerControlMixin:
         assert self.model_runner is not None, "load_model() first"
         return self.model_runner.model
 
-    def get_weights_generation(self) -> int:
-        return int(getattr(self._model, "weights_generation", 0))
-
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Incremental, non-strict load of checkpoint-named tensors; returns how many params."""
         return len(self._model.load_weights(weights))
@@ -157,7 +154,7 @@ class WorkerControlMixin:
             layer.kv_cache = None
         runner.kv_caches = []
         if level >= 2:
-            mapping = getattr(self._model, "stacked_params_mapping", [])
+            mapping = self._model.stacked_params_mapping
             freed += discard_weights(self._model, mapping)
         release_memory_to_os()
         return freed

@@ -81,9 +81,9 @@ class ModelRunner:
                 self.model, vllm_config.lora_config, self.model_config.dtype, device
             )
         # the last layer computes only the rows a step uses (step_inputs.py)
-        self._select_outputs = getattr(self.model, "supports_output_rows", False)
-        pooler = getattr(self.model, "pooler", None)
-        self._pool_last_row = getattr(pooler, "pooling_type", None) == "LAST"
+        self._select_outputs = self.model.supports_output_rows
+        pooler = self.model.pooler if self.model.is_pooling_model else None
+        self._pool_last_row = pooler is not None and pooler.pooling_type == "LAST"
 
     def _new_input_batch(self) -> InputBatch:
         max_len = self.model_config.max_model_len
@@ -142,7 +142,7 @@ class ModelRunner:
         positions = torch.from_numpy(inputs.positions).to(device)
         attn_metadata = self.attn_backend.build(inputs.attn, device)
         kwargs = {}
-        if getattr(self.model, "accepts_token_type_ids", False):
+        if self.model.accepts_token_type_ids:
             if inputs.token_type_ids is not None:
                 kwargs["token_type_ids"] = torch.from_numpy(inputs.token_type_ids).to(device)
         lora: AbstractContextManager = nullcontext()  # a step without adapters: the base path

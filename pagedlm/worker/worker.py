@@ -5,6 +5,7 @@ runner, and answers the executor's calls (`collective_rpc` reaches any method he
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
         self.profiler: WorkerProfiler | None = None  # made by the first start_profile
         self.weight_transfer_engine: Any = None
         self._weight_update_active = False
-        self._profiler: Any = None
+        self._weights_changed = threading.Event()
 
     def init_device(self) -> None:
         """Threads (pinned in a worker process), the process group, the seed."""
@@ -60,7 +61,15 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
     def load_model(self) -> None:
         before = current_platform.memory_in_use_bytes()
         self.model_runner = ModelRunner(self.vllm_config, current_platform.device)
+        # the model says when it commits new weights (no reference back to this worker)
+        self.model_runner.model.weights_changed_callback = self._weights_changed.set
         self.model_memory_bytes = max(0, current_platform.memory_in_use_bytes() - before)
+
+    def take_weights_changed(self) -> bool:
+        """Whether the model committed new weights since the last call."""
+        changed = self._weights_changed.is_set()
+        self._weights_changed.clear()
+        return changed
 
     def _runner(self) -> ModelRunner:
         assert self.model_runner is not None, "load_model() first"

@@ -114,8 +114,11 @@ def test_tensor_parallel_ranks_load_their_shards(tiny_qwen2, tmp_path, backend):
         **ENGINE,
     )
     try:
+        run(llm)  # fills the prefix cache with the old weights' KV
         Pusher(llm, backend, world_size=2).push(list(new_state.items()), version="v1")
         assert_close(run(llm), want)
+        # the worker processes said with their replies that the weights changed
+        assert llm.llm_engine.kv_cache_manager.prefix_cache_stats.hits == 0
     finally:
         llm.llm_engine.shutdown()
 

@@ -1,6 +1,6 @@
 """LLMEngine's LoRA calls: checking a request's adapter, `add_lora` / `remove_lora` /
 `list_loras` / `pin_lora` (sent to every rank through the executor), and the running/waiting
-adapter names of the `vllm:lora_requests_info` metric. Mixed into LLMEngine.
+adapter names of the `vllm:lora_requests_info` metric. A part LLMEngine owns.
 
 Invariant: an adapter a request carries has been loaded and validated by every rank before
 the request is queued (`check_lora_request`), so a bad adapter fails at add time, naming
@@ -9,20 +9,23 @@ itself, and never reaches a step. One `lora_int_id` names one adapter (name and 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pagedlm.config import LoRAConfig
 from pagedlm.lora.request import LoRARequest
 
+if TYPE_CHECKING:
+    from pagedlm.core.scheduler import Scheduler
+    from pagedlm.executor.abstract import Executor
 
-class EngineLoRAMixin:
-    """Expects `vllm_config`, `model_executor` and `scheduler`."""
 
-    vllm_config: Any
-    model_executor: Any
-    scheduler: Any
-
-    def _init_lora(self) -> None:
-        self.lora_config = self.vllm_config.lora_config
+class LoRAAdapters:
+    def __init__(
+        self, lora_config: LoRAConfig | None, executor: Executor, scheduler: Scheduler
+    ) -> None:
+        self.lora_config = lora_config
+        self.model_executor = executor
+        self.scheduler = scheduler
         self._loras: dict[int, LoRARequest] = {}  # validated on every rank, by id
 
     def check_lora_request(self, lora_request: Any) -> LoRARequest | None:
