@@ -366,6 +366,16 @@ class SamplingParams:
             )
         self._bad_words_token_ids = token_ids
 
+    def normalize_for_engine(self, vocab_size: int) -> None:
+        """Make the engine's copy (at admission, once) what the workers read: greedy is
+        temperature 0.0 (tested as `== 0`), a logprob count of -1 is `vocab_size`."""
+        if self.temperature < _SAMPLING_EPS:
+            self.temperature = 0.0
+        if self.logprobs == -1:
+            self.logprobs = vocab_size
+        if self.prompt_logprobs == -1:
+            self.prompt_logprobs = vocab_size
+
     def verify(self, *, max_logprobs: int, vocab_size: int) -> None:
         """Engine-time checks against the model: logprob counts and token-id ranges.
 

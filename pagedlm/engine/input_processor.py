@@ -249,6 +249,7 @@ class InputProcessor:
                 "speculative decoding."
             )
         params = params.clone()
+        params.normalize_for_engine(self.model_config.vocab_size)
         if params.structured_outputs is not None:
             if self.structured_output_manager is None:
                 raise ValueError("Structured outputs need an engine (no manager was set).")

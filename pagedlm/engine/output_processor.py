@@ -126,7 +126,7 @@ class RequestState:
             lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks
         ):
             append_logprobs_for_next_position(
-                target, ids, values, self._decoded(ids, target), rank, -1 if k == -1 else k
+                target, ids, values, self._decoded(ids, target), rank, k
             )
             if not prompt and self.cumulative_logprob is not None:
                 self.cumulative_logprob += values[0]

@@ -31,7 +31,7 @@ from pagedlm.structured_output.bitmask import apply_grammar_bitmask
 class SamplingMetadata:
     """Per-row sampling inputs for the B rows sampled this step."""
 
-    temperature: torch.Tensor  # [B] fp32; rows with temperature < eps are greedy
+    temperature: torch.Tensor  # [B] fp32; greedy rows are 0.0 (input_processor normalizes)
     all_greedy: bool
     top_k: torch.Tensor | None = None  # [B] int64, vocab_size where disabled
     top_p: torch.Tensor | None = None  # [B] fp32, 1.0 where disabled
@@ -81,9 +81,6 @@ class SamplerOutput:
     sampling_mask: list[list[int]] | None = None
 
 
-_SAMPLING_EPS = 1e-5
-
-
 def gather_logprobs(
     logprobs: torch.Tensor,
     num_logprobs: int,
@@ -93,8 +90,6 @@ def gather_logprobs(
     """Per row `token_ids[row]` (first, with its rank) then the top-`num_logprobs` entries,
     or, for a row in `chosen_ids`, the entries of exactly those ids in their order (vLLM's
     `logprob_token_ids`)."""
-    if num_logprobs == -1:
-        num_logprobs = logprobs.shape[-1]
     token_logprobs = logprobs.gather(-1, token_ids.unsqueeze(-1))
     ranks = (logprobs > token_logprobs).sum(-1) + 1
     if num_logprobs > 0:
@@ -129,16 +124,11 @@ class Sampler:
             # casting to fp32 keeps order and ties, so the argmax of model-dtype logits is exact
             return SamplerOutput(greedy_sample(logits), None)
         logits = logits.float()
-        raw = None
-        mode = md.logprobs_mode
-        if md.max_num_logprobs is not None and not mode.startswith("processed"):
-            raw = logits if mode == "raw_logits" else logits.log_softmax(-1)
         sampled, processed = self.sample(self.penalized_logits(logits, md), md)
-        if md.max_num_logprobs is not None and mode.startswith("processed"):
-            raw = processed if mode == "processed_logits" else processed.log_softmax(-1)
         lists = None
-        if raw is not None:
-            lists = gather_logprobs(raw, md.max_num_logprobs, sampled, md.logprob_token_ids)
+        if md.max_num_logprobs is not None:
+            reported = self.reported_logprobs(logits, md, processed)
+            lists = gather_logprobs(reported, md.max_num_logprobs, sampled, md.logprob_token_ids)
         mask = sampling_support(processed) if md.return_sampling_mask else None
         return SamplerOutput(sampled, lists, mask)
 
@@ -197,7 +187,7 @@ class Sampler:
         greedy = greedy_sample(logits)
         if md.all_greedy:
             return greedy, logits
-        is_greedy = md.temperature < _SAMPLING_EPS
+        is_greedy = md.temperature == 0.0
         processed = self.filtered_logits(logits, md)
         random = self.exponential_race(processed.softmax(-1), md.generators)
         return torch.where(is_greedy, greedy, random), processed
@@ -206,7 +196,7 @@ class Sampler:
     def filtered_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """The logits random rows draw from: temperature, min_p, top-k, top-p (-inf where
         filtered; greedy rows: temperature 1)."""
-        is_greedy = md.temperature < _SAMPLING_EPS
+        is_greedy = md.temperature == 0.0
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temperature.unsqueeze(1)
         if md.min_p is not None:
@@ -229,6 +219,18 @@ class Sampler:
         processed_* reports them (see `sample`)."""
         logits = self.penalized_logits(logits, md)
         return logits if md.all_greedy else self.filtered_logits(logits, md)
+
+    def reported_logprobs(
+        self, logits: torch.Tensor, md: SamplingMetadata, processed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[rows, vocab] fp32: the values `logprobs_mode` reports, from the step's logits (after
+        the grammar mask) or, for processed_*, from `processed` (computed when not given)."""
+        mode = md.logprobs_mode
+        if mode.startswith("processed"):
+            values = self.processed_logits(logits, md) if processed is None else processed
+        else:
+            values = logits.float()
+        return values if mode.endswith("_logits") else values.log_softmax(-1)
 
     def target_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """[rows, vocab] fp32: what `__call__` would sample each random row from."""

@@ -28,7 +28,7 @@ from pagedlm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedlm.layers.rotary_embedding import get_rope
 from pagedlm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.models.interfaces import ModelBase
-from pagedlm.models.llama import LlamaForCausalLM, LlamaMLP, run_decoder_layers
+from pagedlm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, run_decoder_layers
 from pagedlm.models.weight_utils import load_packed_weights
 
 _DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
@@ -97,22 +97,9 @@ class Gemma3Attention(nn.Module):
             sliding_window=window if self.is_sliding and window else None,
         )
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As LlamaAttention.forward: `output_rows` alone attend and are returned."""
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = q.shape[0]
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        if output_rows is not None:
-            q = q[output_rows]
-        return self.o_proj(self.attn(q, k, v))
+    # LlamaAttention's forward reads these attributes: q/k norms per head, output rows
+    use_qk_norm = True
+    forward = LlamaAttention.forward
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -23,8 +23,6 @@ from pagedlm.lora.request import LoRARequest
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
-_SAMPLING_EPS = 1e-5
-
 
 @dataclass
 class CachedRequestState:
@@ -135,8 +133,7 @@ class InputBatch:
     def _write_sampling_params(self, row: int, p: SamplingParams | None) -> None:
         if p is None:  # pooling: neutral values, never sampled
             p = SamplingParams(temperature=0.0)
-        greedy = p.temperature < _SAMPLING_EPS
-        self.temperature[row] = 0.0 if greedy else p.temperature
+        self.temperature[row] = p.temperature  # 0.0: greedy (normalized at admission)
         self.top_k[row] = p.top_k if p.top_k > 0 else self.vocab_size
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
@@ -144,7 +141,7 @@ class InputBatch:
         self.frequency_penalty[row] = p.frequency_penalty
         self.repetition_penalty[row] = p.repetition_penalty
         k = p.num_logprobs  # logprobs, else len(logprob_token_ids)
-        self.num_logprobs[row] = -1 if k is None else self.vocab_size if k == -1 else k
+        self.num_logprobs[row] = -1 if k is None else k
         self.min_tokens[row] = p.min_tokens
         self.needs_visit[row] = bool(
             p.seed is not None

@@ -241,8 +241,7 @@ class ModelRunner:
 
     def _num_logprobs(self, state: CachedRequestState) -> int | None:
         params = state.sampling_params
-        k = None if params is None else params.num_logprobs  # logprob_token_ids count too
-        return self.model_config.vocab_size if k == -1 else k
+        return None if params is None else params.num_logprobs  # logprob_token_ids count too
 
     def _sample_with_drafts(
         self,
@@ -262,14 +261,16 @@ class ModelRunner:
         if grammar is not None:  # grammar requests get no drafts: one row each
             metadata.grammar_rows, metadata.grammar_bitmask = grammar
         sampled = self.sampler(logits, metadata).sampled_token_ids.tolist()
-        probs = processed = None
+        probs = reported = None
         start = 0
         for state, count in zip(inputs.sampling_states, counts.tolist()):
             end = start + count
             drafts = so.scheduled_spec_decode_tokens.get(state.req_id, [])
             if count == 1:
                 tokens = [sampled[start]]
-            elif self.input_batch.temperature[self.input_batch.req_id_to_index[state.req_id]] == 0:
+            elif (
+                self.input_batch.temperature[self.input_batch.req_id_to_index[state.req_id]] == 0.0
+            ):
                 tokens = verify_greedy(sampled[start:end], drafts)
             else:
                 if probs is None:
@@ -281,19 +282,12 @@ class ModelRunner:
             output.sampled_token_ids[state.req_id] = tokens
             k = self._num_logprobs(state)
             if k is not None:
-                rows = slice(start, start + len(tokens))
-                if mode.startswith("processed"):
-                    if processed is None:
-                        processed = self.sampler.processed_logits(logits, metadata)
-                    raw = processed[rows]
-                    raw = raw if mode == "processed_logits" else raw.log_softmax(-1)
-                else:
-                    raw = logits[rows].float()
-                    raw = raw if mode == "raw_logits" else raw.log_softmax(-1)
+                if reported is None:  # the logprobs_mode values of every row, once
+                    reported = self.sampler.reported_logprobs(logits, metadata)
                 chosen = state.sampling_params.logprob_token_ids  # type: ignore[union-attr]
                 by_row = {r: chosen for r in range(len(tokens))} if chosen else None
                 output.logprobs[state.req_id] = gather_logprobs(
-                    raw, k, torch.tensor(tokens), by_row
+                    reported[start : start + len(tokens)], k, torch.tensor(tokens), by_row
                 )
             start = end
 

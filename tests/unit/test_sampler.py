@@ -64,7 +64,11 @@ def make_request(
 
 
 def build(states: list[CachedRequestState], vocab_size: int, mode: str = "raw_logprobs"):
-    """Metadata through the real path: the states join a persistent batch, rows are sliced."""
+    """Metadata through the real path: the params are the engine's copy (normalized at
+    admission), the states join a persistent batch, rows are sliced."""
+    for state in states:
+        if state.sampling_params is not None:
+            state.sampling_params.normalize_for_engine(vocab_size)
     batch = InputBatch(len(states), 256, 1, vocab_size)
     rows = np.array([batch.add_request(s) for s in states], dtype=np.int64)
     return build_sampling_metadata(batch, rows, states, CPU, mode)
@@ -725,7 +729,7 @@ def test_gather_logprobs_zero_and_whole_vocab() -> None:
         logprobs.gather(1, tokens[:, None]).flatten().tolist()
     )
     assert all(len(v) == 1 for v in none.logprobs)
-    everything = gather_logprobs(logprobs, -1, tokens)
+    everything = gather_logprobs(logprobs, 7, tokens)  # logprobs=-1: admission sends vocab
     for row, ids in enumerate(everything.logprob_token_ids):
         assert len(ids) == 8 and ids[0] == int(tokens[row])
         assert sorted(ids[1:]) == list(range(7))

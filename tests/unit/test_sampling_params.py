@@ -355,3 +355,13 @@ def test_beam_search_params() -> None:
     assert bp.include_stop_str_in_output is False
     with pytest.raises(ValueError):
         BeamSearchParams(beam_width=0, max_tokens=8)
+
+
+def test_normalize_for_engine_resolves_minus_one_and_greedy_once() -> None:
+    """The engine's copy at admission: what every worker-side reader relies on."""
+    params = SamplingParams(temperature=0.0, logprobs=-1, prompt_logprobs=-1)
+    params.normalize_for_engine(vocab_size=50)
+    assert (params.temperature, params.logprobs, params.prompt_logprobs) == (0.0, 50, 50)
+    params = SamplingParams(temperature=0.7, logprobs=3)
+    params.normalize_for_engine(vocab_size=50)
+    assert (params.temperature, params.logprobs, params.prompt_logprobs) == (0.7, 3, None)
