@@ -65,16 +65,18 @@ def worker(model: str, mode: str, out: str, reference: str | None) -> None:
     scored = llm.generate(
         {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
     )[0]
-    lps = [d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], ids[1:])]
+    lps = [d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], ids[1:], strict=True)]
     forced = None
     if reference is not None:  # top-1 agreement with the reference path's completions
         ref = json.loads(Path(reference).read_text())["tokens"]
-        prompts = [{"prompt_token_ids": o.prompt_token_ids + c} for o, c in zip(outs, ref)]
+        prompts = [
+            {"prompt_token_ids": o.prompt_token_ids + c} for o, c in zip(outs, ref, strict=True)
+        ]
         scores = llm.generate(
             prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
         )
         forced = []
-        for o, sc, completion in zip(outs, scores, ref):
+        for o, sc, completion in zip(outs, scores, ref, strict=True):
             start_at = len(o.prompt_token_ids)
             ranks = [sc.prompt_logprobs[start_at + i][t].rank for i, t in enumerate(completion)]
             forced.append([r == 1 for r in ranks])
@@ -116,10 +118,13 @@ def main() -> None:
     b = results["bf16"]
     for mode in ("gguf", "fp32"):
         q = results[mode]
-        same = sum(x == y for x, y in zip(q["tokens"], b["tokens"]))
+        same = sum(x == y for x, y in zip(q["tokens"], b["tokens"], strict=True))
         prefix = [
-            next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-            for x, y in zip(q["tokens"], b["tokens"])
+            next(
+                (i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t),
+                min(len(x), len(y)),
+            )
+            for x, y in zip(q["tokens"], b["tokens"], strict=True)
         ]
         flat = [a for f in q["forced"] for a in f]
         all_agree = sum(all(f) for f in q["forced"])
@@ -141,7 +146,7 @@ def main() -> None:
         f"{q['peak_rss_mb']:.0f}, bf16 {b['peak_rss_mb']:.0f}; "
         f"load s: gguf {q['load_s']:.1f}, bf16 {b['load_s']:.1f}"
     )
-    for i, (x, y) in enumerate(zip(q["texts"], b["texts"])):
+    for i, (x, y) in enumerate(zip(q["texts"], b["texts"], strict=True)):
         if x != y:
             print(f"--- prompt {i}\n  gguf: {x!r}\n  bf16: {y!r}")
     if args.json:

@@ -82,13 +82,13 @@ def setting_note(sources: list[dict]) -> str:
 def plot_throughput(runs: dict[str, dict], out: Path) -> None:
     names = sorted(runs, key=lambda w: WORKLOADS.index(w) if w in WORKLOADS else len(WORKLOADS))
     fig, axes = plt.subplots(1, len(names), figsize=(2.9 * len(names), 4.0), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    for ax, name in zip(axes[0], names, strict=True):
         results = runs[name]["results"]
         backends = ordered(results)
         values = [results[b]["total_tok_s"] for b in backends]
         base = results.get("pagedlm", {}).get("total_tok_s")
         bars = ax.bar(range(len(backends)), values, color=[colour(b) for b in backends])
-        for bar, backend, value in zip(bars, backends, values):
+        for bar, backend, value in zip(bars, backends, values, strict=True):
             text = f"{value:.0f}"
             if base and backend != "pagedlm":
                 text += f"\n{value / base:.2f}x"
@@ -119,7 +119,7 @@ def plot_throughput(runs: dict[str, dict], out: Path) -> None:
 
 def plot_latency(runs: list[tuple[dict, dict]], out: Path) -> None:
     fig, axes = plt.subplots(len(runs), 2, figsize=(10, 0.8 + 2.3 * len(runs)), squeeze=False)
-    for (source, rows), (ttft_ax, decode_ax) in zip(runs, axes):
+    for (source, rows), (ttft_ax, decode_ax) in zip(runs, axes, strict=True):
         backends = ordered(rows)[::-1]  # barh draws bottom-up
         ttft = [rows[b]["ttft_s"] for b in backends]
         seconds = max(ttft) >= 10  # a long prompt's prefill

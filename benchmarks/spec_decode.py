@@ -126,7 +126,7 @@ def main() -> None:
     for batch in map(int, args.batch_sizes.split(",")):
         off = run(args.model, batch, args.max_tokens, None)
         on = run(args.model, batch, args.max_tokens, spec)
-        same = sum(a == b for a, b in zip(off["tokens"], on["tokens"]))
+        same = sum(a == b for a, b in zip(off["tokens"], on["tokens"], strict=True))
         print(
             f"| {batch} | {off['out_tok_s']:.1f} | {on['out_tok_s']:.1f} | "
             f"{on['out_tok_s'] / off['out_tok_s']:.2f}x | {on['acceptance']:.0%} "

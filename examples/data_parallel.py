@@ -57,7 +57,7 @@ def run_rank(args: argparse.Namespace, dp_rank: int, local_rank: int, results: m
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     outputs = llm.generate([PROMPTS[i] for i in indices], params, use_tqdm=False)
-    results.put((dp_rank, [(i, o.outputs[0].text) for i, o in zip(indices, outputs)]))
+    results.put((dp_rank, [(i, o.outputs[0].text) for i, o in zip(indices, outputs, strict=True)]))
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ def main() -> None:
     llm = LLM(model=args.model, max_model_len=2048)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    for question, output in zip(QUESTIONS, llm.chat(conversations, params)):
+    for question, output in zip(QUESTIONS, llm.chat(conversations, params), strict=True):
         print(f"### {question}\n{output.outputs[0].text}\n")
 
 

@@ -128,9 +128,9 @@ def main() -> None:
         )
         advantages = rewards - rewards.mean()
         loss, gap = torch.zeros(()), 0.0
-        for (prompt, toks, engine_lps), advantage in zip(samples, advantages):
+        for (prompt, toks, engine_lps), advantage in zip(samples, advantages, strict=True):
             lps = sequence_logprobs(policy, prompt, toks)
-            engine = torch.tensor([d[t].logprob for d, t in zip(engine_lps, toks)])
+            engine = torch.tensor([d[t].logprob for d, t in zip(engine_lps, toks, strict=True)])
             gap = max(gap, float((lps.detach() - engine).abs().max()))
             loss = loss - advantage * lps.sum() / len(samples)
         optimizer.zero_grad()

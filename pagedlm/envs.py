@@ -52,6 +52,19 @@ _VARS = [
         "1: small decode steps run the model's modules instead of the prepared kernel calls of "
         "models/llama_decode_plan.py (same results; for comparison and debugging).",
     ),
+    EnvVar(
+        "PAGEDLM_CHECK_KERNEL_ARGS",
+        False,
+        _flag,
+        "1: the attention kernels' wrappers also check every block id they pass (debugging).",
+    ),
+    EnvVar(
+        "VLLM_LOGGING_LEVEL",
+        None,
+        str,
+        "Level of pagedlm's log in the `pagedlm` command (default WARNING; DEBUG also shows "
+        "the traceback of an error).",
+    ),
     EnvVar("CC", None, str, "C compiler for the kernels (default: gcc, else cc)."),
     EnvVar(
         "OMP_NUM_THREADS",
@@ -75,10 +88,7 @@ _VARS = [
     EnvVar("VLLM_MAX_N_SEQUENCES", 16384, int, "Largest SamplingParams.n accepted."),
     EnvVar("PYTHONHASHSEED", None, str, "Makes prefix-cache block hashes reproducible."),
     EnvVar("VLLM_DP_RANK", 0, int, "Data-parallel rank of this engine process."),
-    EnvVar("VLLM_DP_RANK_LOCAL", None, int, "Data-parallel rank on this node."),
     EnvVar("VLLM_DP_SIZE", 1, int, "Number of data-parallel engine processes."),
-    EnvVar("VLLM_DP_MASTER_IP", "127.0.0.1", str, "Address of data-parallel rank 0."),
-    EnvVar("VLLM_DP_MASTER_PORT", 0, int, "Port of data-parallel rank 0 (0: none)."),
     EnvVar(
         "PAGEDLM_WORKER_START_TIMEOUT",
         300.0,

@@ -69,7 +69,9 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):
         included; reading the position back as a dict keeps the last duplicate's values.
         """
         self.start_indices.append(len(self.logprobs))
-        for token_id, lp, rank, text in zip(token_ids, logprobs, ranks, decoded_tokens):
+        for token_id, lp, rank, text in zip(
+            token_ids, logprobs, ranks, decoded_tokens, strict=True
+        ):
             self.token_ids.append(token_id)
             self.logprobs.append(lp)
             self.ranks.append(rank)
@@ -110,7 +112,7 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):
                 return FlatLogprobs()
             if index.step not in (None, 1):
                 out = FlatLogprobs()
-                for start, end in zip(starts, ends):
+                for start, end in zip(starts, ends, strict=True):
                     out._append_range(self, start, end)
                 return out
             lo, hi = starts[0], ends[-1]
@@ -196,7 +198,9 @@ def append_logprobs_for_next_position(
     request_logprobs.append(
         {
             token_id: Logprob(logprob=lp, rank=r, decoded_token=text)
-            for token_id, lp, r, text in zip(token_ids, logprobs, ranks, decoded_tokens)
+            for token_id, lp, r, text in zip(
+                token_ids, logprobs, ranks, decoded_tokens, strict=True
+            )
         }
     )
 

@@ -19,6 +19,14 @@ class LogprobsLists:
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
 
+    def first(self, num_tokens: int) -> LogprobsLists:
+        """The entries of the first `num_tokens` tokens."""
+        return LogprobsLists(
+            self.logprob_token_ids[:num_tokens],
+            self.logprobs[:num_tokens],
+            self.sampled_token_ranks[:num_tokens],
+        )
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -52,9 +52,9 @@ def agreement(
         runs.append([list(o.outputs[0].token_ids) for o in outs])
         del llm
     result = []
-    for a, b in zip(*runs):
-        lead = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        same = sum(x == y for x, y in zip(a, b))
+    for a, b in zip(*runs, strict=True):
+        lead = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        same = sum(x == y for x, y in zip(a, b, strict=True))
         result.append((lead, same, len(a)))
     return result
 

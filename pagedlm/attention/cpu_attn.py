@@ -20,6 +20,7 @@ whose every chunk reads the cache, so both paths attend them unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ class FreshPrefillGroup:
 
 def _rows(starts: list[int], length: int, device: torch.device) -> torch.Tensor | None:
     """Token rows of the group, or None when they are one contiguous run (a view suffices)."""
-    if all(b - a == length for a, b in zip(starts, starts[1:])):
+    if all(b - a == length for a, b in pairwise(starts)):
         return None
     base = torch.tensor(starts, dtype=torch.long, device=device)
     return (base[:, None] + torch.arange(length, device=device)[None, :]).reshape(-1)
@@ -360,7 +361,7 @@ class CPUAttentionBackend(AttentionBackend):
         """Bidirectional attention within each request's tokens; no KV cache."""
         out = torch.empty_like(query)
         starts = metadata.query_start_loc
-        for s, e in zip(starts[:-1], starts[1:]):
+        for s, e in zip(starts[:-1], starts[1:], strict=True):
             q, k, v = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
             o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)

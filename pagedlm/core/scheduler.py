@@ -355,6 +355,13 @@ class Scheduler:
                 self._free_request(request)
             else:
                 request.spec_token_ids = runner_output.spec_token_ids.get(rid, [])
+            # a request that stopped inside its accepted drafts keeps the entries of its tokens
+            logprobs = runner_output.logprobs.get(rid)
+            if logprobs is not None:
+                logprobs = logprobs.first(len(new_token_ids))
+            mask = runner_output.sampling_mask.get(rid)
+            if mask is not None:
+                mask = mask[: len(new_token_ids)]
             if new_token_ids or prompt_logprobs is not None or stopped:
                 outputs.append(
                     EngineCoreOutput(
@@ -362,12 +369,12 @@ class Scheduler:
                         new_token_ids=new_token_ids,
                         finish_reason=request.get_finished_reason() if stopped else None,
                         stop_reason=request.stop_reason,
-                        new_logprobs=runner_output.logprobs.get(rid),
+                        new_logprobs=logprobs,
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         pooling_output=pooler_output,
                         scheduled_ts=request.scheduled_ts,
-                        new_sampling_mask=runner_output.sampling_mask.get(rid),
+                        new_sampling_mask=mask,
                     )
                 )
         return outputs

@@ -18,7 +18,7 @@ import re
 import sys
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 from pagedlm import envs
 from pagedlm.attention.kv_cache_dtype import check_kv_cache_dtype
@@ -323,9 +323,7 @@ class EngineArgs:
         hf_config = load_hf_config(resolved, trust_remote_code=self.trust_remote_code)
         for key, value in (self.hf_overrides or {}).items():
             setattr(hf_config, key, value)
-        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(
-            hf_config, "torch_dtype", None
-        )
+        checkpoint_dtype = getattr(hf_config, "dtype", None)  # `torch_dtype` before 4.56
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(__import__("torch"), checkpoint_dtype, None)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype)
@@ -577,6 +575,10 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         if sys.version_info < (3, 13):  # `deprecated=` exists from Python 3.13 on
             kwargs.pop("deprecated", None)
         return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        """One line and exit status 2 (the usage of every engine flag would bury the message)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(  # type: ignore[override]
         self, args: list[str] | None = None, namespace: argparse.Namespace | None = None

@@ -61,8 +61,6 @@ class AsyncLLM:
         self._pending_aborts: set[str] = set()
         self._dead_error: BaseException | None = None
         self._shut_down = False
-        # Most requests the scheduler held in its running set right after a step (observability).
-        self.max_num_running_observed = 0
 
     @classmethod
     def from_engine_args(
@@ -360,9 +358,6 @@ class AsyncLLM:
                     has_work = engine.has_unfinished_requests() and not engine.is_sleeping()
                     if has_work:
                         outputs = await loop.run_in_executor(self._executor, engine.step)
-                        self.max_num_running_observed = max(
-                            self.max_num_running_observed, len(engine.scheduler.running)
-                        )
                 if not has_work:
                     self._has_work.clear()
                     await self._has_work.wait()

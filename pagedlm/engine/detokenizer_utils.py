@@ -51,7 +51,7 @@ def convert_ids_list_to_tokens(tokenizer: Any, token_ids: list[int]) -> list[str
     out = [get(i) for i in token_ids]
     if None not in out:
         return out  # type: ignore[return-value]
-    missing = list(dict.fromkeys(i for i, text in zip(token_ids, out) if text is None))
+    missing = list(dict.fromkeys(i for i, text in zip(token_ids, out, strict=True) if text is None))
     texts: dict[int, str] = {}
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +65,9 @@ def convert_ids_list_to_tokens(tokenizer: Any, token_ids: list[int]) -> list[str
             except (OverflowError, TypeError, IndexError, ValueError):
                 pass
     cache.update((i, text) for i, text in texts.items() if text)
-    return [texts.get(i, "") if text is None else text for i, text in zip(token_ids, out)]
+    return [
+        texts.get(i, "") if text is None else text for i, text in zip(token_ids, out, strict=True)
+    ]
 
 
 def correct_decoded_tokens(
@@ -102,7 +104,7 @@ def _complete_token(tokenizer: Any, token_id: int, context_token_ids: list[int])
         if full.startswith(prefix):
             return full[len(prefix) :]
         common = 0  # normalization may change the prefix: keep what follows the common part
-        for a, b in zip(prefix, full):
+        for a, b in zip(prefix, full, strict=True):
             if a != b:
                 break
             common += 1

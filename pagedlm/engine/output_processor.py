@@ -123,7 +123,7 @@ class RequestState:
             return
         k = self.params.prompt_logprobs if prompt else self.params.num_logprobs
         for ids, values, rank in zip(
-            lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks
+            lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks, strict=True
         ):
             append_logprobs_for_next_position(
                 target, ids, values, self._decoded(ids, target), rank, k

@@ -63,7 +63,7 @@ class BeamSearchMixin:
             )
         instances = [
             BeamSearchInstance(self._render_beam_prompt(p), lora_request=lora)
-            for p, lora in zip(prompt_list, loras)
+            for p, lora in zip(prompt_list, loras, strict=True)
         ]
 
         if use_tqdm and concurrency_limit is not None:
@@ -140,9 +140,9 @@ class BeamSearchMixin:
         )
         output: list[RequestOutput] = self._run_engine(use_tqdm=False)  # type: ignore[attr-defined]
         eos_token_id = self.get_tokenizer().eos_token_id  # type: ignore[attr-defined]
-        for (lo, hi), instance in zip(itertools.pairwise(bounds), batch):
+        for (lo, hi), instance in zip(itertools.pairwise(bounds), batch, strict=True):
             new_beams: list[BeamSearchSequence] = []
-            for beam, result in zip(all_beams[lo:hi], output[lo:hi]):
+            for beam, result in zip(all_beams[lo:hi], output[lo:hi], strict=True):
                 if result.outputs[0].logprobs is None:
                     continue  # capped by max_model_len or aborted: the beam ends here
                 logprobs = result.outputs[0].logprobs[0]

@@ -297,7 +297,7 @@ class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
         for p in param_list:
             p.output_kind = RequestOutputKind.FINAL_ONLY
         added: list[str] = []
-        items = zip(prompt_list, param_list)
+        items = zip(prompt_list, param_list, strict=True)
         if use_tqdm and n:
             tqdm_func = use_tqdm if callable(use_tqdm) else tqdm
             items = tqdm_func(items, total=n, desc="Rendering prompts", dynamic_ncols=True)

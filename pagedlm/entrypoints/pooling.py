@@ -178,7 +178,7 @@ class PoolingMixin:
             )
         tokenizer = self.llm_engine.get_tokenizer()
         pairs = []
-        for a, b in zip(left, right):
+        for a, b in zip(left, right, strict=True):
             encoded = tokenizer(a, b, **(tokenization_kwargs or {}))
             pairs.append(
                 TokensPrompt(
@@ -200,9 +200,9 @@ class PoolingMixin:
             pooling_task="embed",
             tokenization_kwargs=tokenization_kwargs,
         )
-        by_text = {t: o for t, o in zip(texts, embeds)}
+        by_text = {t: o for t, o in zip(texts, embeds, strict=True)}
         outs = []
-        for i, (a, b) in enumerate(zip(left, right)):
+        for i, (a, b) in enumerate(zip(left, right, strict=True)):
             ea, eb = by_text[a], by_text[b]
             score = F.cosine_similarity(ea.outputs.data.float(), eb.outputs.data.float(), dim=0)
             base = PoolingRequestOutput(

@@ -19,6 +19,7 @@ import ctypes
 
 import torch
 
+from pagedlm import envs
 from pagedlm.kernels.cpu import checked, declare, is_bf16
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -86,6 +87,26 @@ def _check_paged_inputs(
     return KV_CACHE_KINDS[k_cache.dtype]
 
 
+def check_block_ids(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor
+) -> None:
+    """With PAGEDLM_CHECK_KERNEL_ARGS=1: every block a sequence of `seq_lens` reads through
+    `block_table` is a block of the cache (the C kernels trust the ids). One pass over the
+    table per call, so off by default."""
+    if not envs.PAGEDLM_CHECK_KERNEL_ARGS or block_table.numel() == 0:
+        return
+    num_blocks, block_size = k_cache.shape[:2]
+    blocks_read = (seq_lens + block_size - 1) // block_size
+    if int(blocks_read.max()) > block_table.shape[1]:
+        raise ValueError("seq_lens reach past the block_table's columns")
+    ids = block_table[torch.arange(block_table.shape[1]) < blocks_read[:, None]]
+    outside = ids[(ids < 0) | (ids >= num_blocks)]
+    if outside.numel():
+        raise ValueError(
+            f"block_table holds block id {int(outside[0])}, outside the cache's [0, {num_blocks})"
+        )
+
+
 def paged_prefill_attention(
     lib: ctypes.CDLL,
     query: torch.Tensor,  # [tokens, num_heads, head_size], rows may be strided
@@ -114,6 +135,7 @@ def paged_prefill_attention(
             raise ValueError(f"{name} must be a contiguous int64 tensor of {n} entries")
     if num_reqs and int(query_start_loc[-1]) > query.shape[0]:
         raise ValueError("query_start_loc reaches past the query rows")
+    check_block_ids(block_table, seq_lens, k_cache)
     out = torch.empty(query.shape, dtype=query.dtype)
     _, block_size, num_kv_heads, head_size = k_cache.shape
     rc = lib.paged_prefill_attention(
@@ -166,6 +188,7 @@ def paged_decode_args(
         raise ValueError("seq_lens must be a contiguous int64 tensor")
     if seq_lens.shape != (num_seqs,) or block_table.shape[0] != num_seqs:
         raise ValueError("one seq_lens entry and one block_table row per query row")
+    check_block_ids(block_table, seq_lens, k_cache)
     _, block_size, num_kv_heads, _ = k_cache.shape
     return (
         checked(fn, "query", query, query.dtype),

@@ -47,7 +47,7 @@ def _weight_args(fn: str, w: PackedGGUFWeight) -> tuple:
     cached = w.__dict__.get("_kernel_args")
     if cached is not None and all(
         a is b if isinstance(a, torch.Tensor) or a is None else a == b
-        for a, b in zip(key, cached[0])
+        for a, b in zip(key, cached[0], strict=True)
     ):
         return cached[1]
     args = _check_weight(fn, w)

@@ -247,7 +247,7 @@ def pack_gguf(
         qs[t0:t1], h = _tiles(_pad_rows(q.reshape(r1 - r0, k), rows), bits)
         if qh is not None:
             qh[t0:t1] = h
-        for name, part in zip(("scales", "mins", "super_scales", "super_mins"), parts):
+        for name, part in zip(("scales", "mins", "super_scales", "super_mins"), parts, strict=True):
             if part is None:
                 continue
             v = _row_tiles(part.reshape(r1 - r0, -1), rows)

@@ -84,7 +84,9 @@ class LoRALayer:
         assert self.a_stacked is not None and self.b_stacked is not None
         self.a_stacked[slot].zero_()
         self.b_stacked[slot].zero_()
-        for i, (spec, pair) in enumerate(zip(self.slices, weights or [None] * len(self.slices))):
+        for i, (spec, pair) in enumerate(
+            zip(self.slices, weights or [None] * len(self.slices), strict=True)
+        ):
             if pair is None:
                 continue
             a, b = pair
@@ -107,7 +109,7 @@ class LoRALayer:
         if self.reduce_shrink:  # partial sums over this rank's input columns
             flat = tensor_model_parallel_all_reduce(torch.cat(shrunk))
             shrunk = list(flat.split([s.shape[0] for s in shrunk]))
-        for (slot, idx), s in zip(groups, shrunk):
+        for (slot, idx), s in zip(groups, shrunk, strict=True):
             delta = (s @ b[slot].t()).to(out.dtype)
             if idx is None:
                 out.add_(delta)
@@ -133,7 +135,7 @@ def _slices(module: LinearBase, leaf: str) -> list[LoRASlice] | None:
         if names is None or len(names) != len(module.output_sizes):
             return None
         out = []
-        for i, (name, size) in enumerate(zip(names, module.output_sizes)):
+        for i, (name, size) in enumerate(zip(names, module.output_sizes, strict=True)):
             out.append(LoRASlice(name, sum(module.output_sizes[:i]), size, rank * size, size * tp))
         return out
     if leaf not in SUPPORTED_TARGETS:

@@ -253,7 +253,11 @@ class ModelRunner:
         """Requests with drafts keep the accepted ones plus one target token (rejection
         sampling); the others sample as usual. Each row is sampled with its request's params."""
         counts = inputs.num_logits
-        states = [s for s, c in zip(inputs.sampling_states, counts.tolist()) for _ in range(c)]
+        states = [
+            s
+            for s, c in zip(inputs.sampling_states, counts.tolist(), strict=True)
+            for _ in range(c)
+        ]
         rows = np.repeat(inputs.sampling_rows, counts)
         mode = self.model_config.logprobs_mode
         metadata = build_sampling_metadata(self.input_batch, rows, states, self.device, mode)
@@ -263,7 +267,7 @@ class ModelRunner:
         sampled = self.sampler(logits, metadata).sampled_token_ids.tolist()
         probs = reported = None
         start = 0
-        for state, count in zip(inputs.sampling_states, counts.tolist()):
+        for state, count in zip(inputs.sampling_states, counts.tolist(), strict=True):
             end = start + count
             drafts = so.scheduled_spec_decode_tokens.get(state.req_id, [])
             if count == 1:
@@ -309,7 +313,7 @@ class ModelRunner:
                 )
             )
             return
-        for row, state in zip(inputs.sampling_rows.tolist(), inputs.sampling_states):
+        for row, state in zip(inputs.sampling_rows.tolist(), inputs.sampling_states, strict=True):
             new = output.sampled_token_ids.get(state.req_id)
             if not new or not can_speculate(state):
                 continue

@@ -139,7 +139,7 @@ def build_step_inputs(
                 np.asarray(s.token_type_ids or [0] * s.num_tokens, dtype=np.int64)[
                     start : start + n
                 ]
-                for s, start, n in zip(states, starts.tolist(), query_lens.tolist())
+                for s, start, n in zip(states, starts.tolist(), query_lens.tolist(), strict=True)
             ]
         )
     return StepInputs(
@@ -158,11 +158,13 @@ def build_step_inputs(
         ),
         output_rows=output_rows,
         sampling_rows=rows[sampling],
-        sampling_states=[s for s, sampled in zip(states, sampling.tolist()) if sampled],
+        sampling_states=[
+            s for s, sampled in zip(states, sampling.tolist(), strict=True) if sampled
+        ],
         logits_indices=suffix_rows(output_ends[sampling], num_logits),
         num_logits=num_logits,
         output_spans={
             s.req_id: (int(output_ends[i] - n), int(n), int(seq_lens[i] - n))
-            for i, (s, n) in enumerate(zip(states, num_outputs.tolist()))
+            for i, (s, n) in enumerate(zip(states, num_outputs.tolist(), strict=True))
         },
     )

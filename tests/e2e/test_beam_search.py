@@ -52,7 +52,7 @@ def reference_beam_search(
         for tokens, cum in beams:
             logits = model(torch.tensor([tokens])).logits[0, -1].float()
             values, ids = logits.log_softmax(-1).topk(2 * width)
-            for v, t in zip(values.tolist(), ids.tolist()):
+            for v, t in zip(values.tolist(), ids.tolist(), strict=True):
                 item = (tokens + [t], cum + v)
                 (done if t == eos and not ignore_eos else candidates).append(item)
         beams = sorted(candidates, key=score, reverse=True)[:width]
@@ -61,7 +61,7 @@ def reference_beam_search(
 
 def _check(out: BeamSearchOutput, ref: list[tuple[list[int], float]]) -> None:
     assert [s.tokens for s in out.sequences] == [r[0] for r in ref]
-    for seq, (_, cum) in zip(out.sequences, ref):
+    for seq, (_, cum) in zip(out.sequences, ref, strict=True):
         assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
 
 
@@ -71,7 +71,7 @@ def test_beams_and_scores_match_reference(llm, hf_model, width, length_penalty) 
     params = BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=length_penalty)
     outs = llm.beam_search([{"prompt": p} for p in PROMPTS], params)
     assert len(outs) == len(PROMPTS)
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tok.encode(prompt)
         ref = reference_beam_search(
             hf_model, ids, width, 6, tok.eos_token_id, length_penalty=length_penalty

@@ -130,9 +130,9 @@ def test_preempted_request_sends_its_prompt_logprobs_once(tiny_qwen2) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append(outs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    for plain, preempted, prompt in zip(*runs, prompts):
+    for plain, preempted, prompt in zip(*runs, prompts, strict=True):
         assert len(preempted.prompt_logprobs) == len(prompt) == len(plain.prompt_logprobs)
-        for a, b in zip(plain.prompt_logprobs[1:], preempted.prompt_logprobs[1:]):
+        for a, b in zip(plain.prompt_logprobs[1:], preempted.prompt_logprobs[1:], strict=True):
             assert a.keys() == b.keys()
             assert [x.logprob for x in a.values()] == pytest.approx(
                 [x.logprob for x in b.values()], abs=1e-5
@@ -177,12 +177,12 @@ def test_last_layer_on_output_rows_only_matches_every_row(
     monkeypatch.setattr(LlamaForCausalLM, "supports_output_rows", False)
     every_row, all_rows = generate()
     assert selected and not every_row
-    for a, b in zip(rows_only, all_rows):
+    for a, b in zip(rows_only, all_rows, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         steps = [*(a.prompt_logprobs or [])[1:], *a.outputs[0].logprobs]
         others = [*(b.prompt_logprobs or [])[1:], *b.outputs[0].logprobs]
         assert len(steps) == len(others)
-        for x, y in zip(steps, others):
+        for x, y in zip(steps, others, strict=True):
             assert x.keys() == y.keys()
             assert [v.logprob for v in x.values()] == pytest.approx(
                 [v.logprob for v in y.values()], abs=1e-5

@@ -119,7 +119,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(engine: LLMEngine, tiny
         assert entry[token].logprob == pytest.approx(ref[pos - 1, token].item(), abs=1e-4)
         assert entry[token].rank == int((ref[pos - 1] > ref[pos - 1, token]).sum()) + 1
         top = ref[pos - 1].topk(2)
-        for rank, (value, tid) in enumerate(zip(top.values, top.indices), start=1):
+        for rank, (value, tid) in enumerate(zip(top.values, top.indices, strict=True), start=1):
             assert entry[int(tid)].logprob == pytest.approx(value.item(), abs=1e-4)
             assert entry[int(tid)].rank == rank
     for i, token in enumerate(gen):

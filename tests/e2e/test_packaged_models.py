@@ -44,7 +44,7 @@ def test_packaged_model_matches_transformers(name: str, monkeypatch) -> None:
     outputs = llm.generate(
         [{"prompt_token_ids": c["prompt_token_ids"]} for c in cases], params, use_tqdm=False
     )
-    for case, out in zip(cases, outputs):
+    for case, out in zip(cases, outputs, strict=True):
         assert list(out.outputs[0].token_ids) == case["token_ids"], case.get("prompt", "chat")
     chat_cases = [c for c in cases if "chat" in c]
     for case in chat_cases if same_major else []:

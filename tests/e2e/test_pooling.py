@@ -36,7 +36,7 @@ def test_minilm_embeddings_match_sentence_transformers(minilm, minilm_dir) -> No
     want = SentenceTransformer(minilm_dir, device="cpu").encode(SENTENCES, convert_to_tensor=True)
     outs = minilm.embed(SENTENCES, use_tqdm=False)
     assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
-    for out, ref in zip(outs, want):
+    for out, ref in zip(outs, want, strict=True):
         got = torch.tensor(out.outputs.embedding)
         assert out.outputs.hidden_size == 384
         assert F.cosine_similarity(got, ref.float(), dim=0) > 0.9999
@@ -180,7 +180,7 @@ def test_qwen2_sequence_classifier_matches_transformers(tmp_path) -> None:
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
     outs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0].softmax(-1)
         assert out.outputs.probs == pytest.approx(want.tolist(), abs=1e-4)
@@ -198,7 +198,7 @@ def test_decoder_as_last_token_embedder(tiny_qwen2) -> None:
     prompts = [[5, 6, 7, 8, 9], [11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
     outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
     hf = AutoModel.from_pretrained(tiny_qwen2).eval()
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
             last = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
         want = F.normalize(last, dim=-1)
@@ -230,7 +230,7 @@ def test_decoder_embedder_chunks_prompts_and_reuses_cached_prefixes(tiny_qwen2) 
     assert first[0].num_cached_tokens == 0
     assert again[0].num_cached_tokens >= 20 and again[2].num_cached_tokens >= 16
     hf = AutoModel.from_pretrained(tiny_qwen2).eval()
-    for prompt, out in zip(prompts + prompts[:2], again + first):
+    for prompt, out in zip(prompts + prompts[:2], again + first, strict=True):
         with torch.no_grad():
             last = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
         want = F.normalize(last, dim=-1)

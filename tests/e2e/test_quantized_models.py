@@ -53,8 +53,8 @@ def _agree(got: list, want: list, tol: float) -> float:
     best (its top-2 logprobs). At most half the sequences may do so. Returns the
     largest logprob difference seen on agreeing tokens."""
     worst, parted = 0.0, 0
-    for a, b in zip(got, want):
-        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+    for a, b in zip(got, want, strict=True):
+        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
             if ta != tb:
                 ref = b.logprobs[i]
                 assert ta in ref and ref[tb].logprob - ref[ta].logprob < tol, (i, ta, tb)

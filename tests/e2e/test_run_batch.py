@@ -153,7 +153,7 @@ def test_greedy_results_match_llm_generate_and_chat(tmp_path, engine_args, tiny_
     expected += [llm.chat([{"role": "user", "content": q}], params, use_tqdm=False)[0]
                  for q in questions]  # fmt: skip
     keys = [f"p{i}" for i in range(len(prompts))] + [f"c{i}" for i in range(len(questions))]
-    for key, ref in zip(keys, expected):
+    for key, ref in zip(keys, expected, strict=True):
         choice, usage = got[key]["choices"][0], got[key]["usage"]
         text = choice["message"]["content"] if key.startswith("c") else choice["text"]
         assert text == ref.outputs[0].text, key

@@ -121,7 +121,9 @@ def test_grammar_mask_and_batching(llm) -> None:
         completion = out.outputs[0]
         assert completion.text in ("yes", "no", "maybe")
         grammar = backend.make_grammar(_choice_key(so))
-        for token, support in zip(completion.token_ids, completion.sampling_mask.token_ids):
+        for token, support in zip(
+            completion.token_ids, completion.sampling_mask.token_ids, strict=True
+        ):
             bitmask = torch.zeros(1, backend.bitmask_width, dtype=torch.int32).numpy()
             grammar.fill_bitmask(bitmask, 0)
             allowed = [t for t in range(backend.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1]

@@ -35,7 +35,7 @@ def _greedy(model, max_tokens: int = 20, **kwargs):
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [
-        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
         for o in outs
     ]
     return tokens, logprobs, llm
@@ -105,8 +105,8 @@ def test_draft_model_greedy_identical(tiny_qwen2, tiny_model_factory) -> None:
         max_num_batched_tokens=24,
     )
     assert tokens == want[0]
-    for a, b in zip(logprobs, want[1]):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    for a, b in zip(logprobs, want[1], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
     metrics = {m.name: m for m in llm.get_metrics() if "spec_decode" in m.name}
     assert (
         metrics["vllm:spec_decode_num_accepted_tokens"].value
@@ -122,8 +122,8 @@ def test_greedy_identical_with_and_without_spec_decode(tiny_qwen2) -> None:
     want = _greedy(tiny_qwen2)
     got = _greedy(tiny_qwen2, speculative_config=NGRAM)
     assert got[0] == want[0]
-    for a, b in zip(got[1], want[1]):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    for a, b in zip(got[1], want[1], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
     metrics = {m.name: m for m in got[2].get_metrics() if "spec_decode" in m.name}
     assert metrics["vllm:spec_decode_num_drafts"].value > 0
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
@@ -196,7 +196,9 @@ def test_stops_are_checked_over_every_accepted_token(tiny_qwen2) -> None:
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     stop_ids = [[tokens[5]] for tokens in plain]
     params = [SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=s) for s in stop_ids]
-    for out, tokens, stop in zip(llm.generate(prompts, params, use_tqdm=False), plain, stop_ids):
+    for out, tokens, stop in zip(
+        llm.generate(prompts, params, use_tqdm=False), plain, stop_ids, strict=True
+    ):
         want = tokens[: tokens.index(stop[0]) + 1]
         assert list(out.outputs[0].token_ids) == want
         assert out.outputs[0].stop_reason == stop[0]
@@ -222,7 +224,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_qwen2) -> None:
     plain = histograms()
     draft = {"method": "draft_model", "model": str(tiny_qwen2), "num_speculative_tokens": 2}
     for spec in (histograms(speculative_config=NGRAM), histograms(speculative_config=draft)):
-        for a, b in zip(plain, spec):
+        for a, b in zip(plain, spec, strict=True):
             tokens = sorted(set(a) | set(b))
             table = [[a[t] for t in tokens], [b[t] for t in tokens]]
             assert chi2_contingency(table).pvalue > 1e-4

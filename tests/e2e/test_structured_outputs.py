@@ -44,7 +44,7 @@ def test_choice_and_regex_full_match(llm: LLM, temperature: float) -> None:
             params.append(_params(temperature, seed, SO(regex=pattern)))
             checks.append(lambda text, p=pattern: re.fullmatch(p, text) is not None)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    for check, out in zip(checks, outputs):
+    for check, out in zip(checks, outputs, strict=True):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", completion
         assert completion.token_ids[-1] == llm.get_tokenizer().eos_token_id

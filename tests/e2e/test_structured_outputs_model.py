@@ -94,7 +94,7 @@ def test_json_schemas_validate(llm: LLM) -> None:
     ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     valid = 0
-    for schema, out in zip(schemas, outputs):
+    for schema, out in zip(schemas, outputs, strict=True):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", completion
         jsonschema.validate(json.loads(completion.text), schema)
@@ -137,6 +137,6 @@ def test_regex_and_choice_full_match(llm: LLM) -> None:
             )
             checks.append(lambda text: text in choices)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    for check, out in zip(checks, outputs):
+    for check, out in zip(checks, outputs, strict=True):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop" and check(completion.text), completion

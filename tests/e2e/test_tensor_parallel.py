@@ -34,7 +34,7 @@ def _greedy(model, **kwargs) -> tuple[list[list[int]], list[list[float]]]:
         llm.llm_engine.shutdown()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [
-        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
         for o in outs
     ]
     return tokens, logprobs
@@ -42,8 +42,8 @@ def _greedy(model, **kwargs) -> tuple[list[list[int]], list[list[float]]]:
 
 def _assert_same(got, want) -> None:
     assert got[0] == want[0]
-    for a, b in zip(got[1], want[1]):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    for a, b in zip(got[1], want[1], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,7 @@ def test_logprob_token_ids_returns_exactly_those_ids(tiny_qwen2, speculative: bo
         picked.outputs[0].logprobs,
         full.outputs[0].logprobs,
         top.outputs[0].logprobs,
+        strict=True,
     ):
         assert set(row) == {token, *chosen}
         for tid, lp in row.items():
@@ -149,7 +150,7 @@ def test_logprob_token_ids_returns_exactly_those_ids(tiny_qwen2, speculative: bo
     (out,) = llm.generate(prompt, both, use_tqdm=False)
     assert all(
         set(row) == {t, *chosen}
-        for t, row in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)
+        for t, row in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)
     )
 
 

@@ -96,10 +96,10 @@ def test_lm_eval_vllm_model_matches_hf(run_client, tiny_qwen2, tmp_path) -> None
 
     got, want = samples(outs["vllm"], "tiny_mc"), samples(outs["hf"], "tiny_mc")
     assert len(got) == len(want) == 4
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert len(g["resps"]) == len(w["resps"]) == 3
         for (g_ll, g_greedy), (w_ll, w_greedy) in zip(
-            (r[0] for r in g["resps"]), (r[0] for r in w["resps"])
+            (r[0] for r in g["resps"]), (r[0] for r in w["resps"]), strict=True
         ):
             assert abs(float(g_ll) - float(w_ll)) < 1e-4
             assert g_greedy == w_greedy
@@ -107,7 +107,7 @@ def test_lm_eval_vllm_model_matches_hf(run_client, tiny_qwen2, tmp_path) -> None
 
     got, want = samples(outs["vllm"], "tiny_gen"), samples(outs["hf"], "tiny_gen")
     assert len(got) == len(want) == 3
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         g_text, w_text = g["resps"][0][0], w["resps"][0][0]
         # Same tokens; HF decodes a trailing partial UTF-8 character as U+FFFD, which vLLM's
         # (and pagedlm's) incremental detokenizer holds back.

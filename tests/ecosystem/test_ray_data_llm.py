@@ -26,7 +26,7 @@ def test_ray_data_llm_chat_and_embed_match_llm(run_client, tiny_qwen2, tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = llm.generate([r["prompt"] for r in chat], params, use_tqdm=False)
     tok = llm.get_tokenizer()
-    for row, ref in zip(chat, want):
+    for row, ref in zip(chat, want, strict=True):
         assert row["prompt"].startswith("<|user|>Question ") and row["prompt"].endswith(
             "<|assistant|>"
         )
@@ -40,7 +40,7 @@ def test_ray_data_llm_chat_and_embed_match_llm(run_client, tiny_qwen2, tmp_path)
         str(tiny_qwen2), dtype="float32", max_model_len=128, runner="pooling", convert="embed"
     )
     want_emb = pooling.embed([r["prompt"] for r in embed], use_tqdm=False)
-    for row, ref in zip(embed, want_emb):
+    for row, ref in zip(embed, want_emb, strict=True):
         torch.testing.assert_close(
             torch.tensor(row["embedding"]), torch.tensor(ref.outputs.embedding), atol=1e-5, rtol=0
         )

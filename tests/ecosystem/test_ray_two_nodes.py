@@ -193,7 +193,7 @@ def test_ray_data_llm_chat_two_nodes_match_llm(
     ]
     want_chat = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
     tok = llm.get_tokenizer()
-    for row, ref, ref_chat in zip(chat, want, want_chat):
+    for row, ref, ref_chat in zip(chat, want, want_chat, strict=True):
         assert row["prompt"].startswith("<|user|>Question ") and row["prompt"].endswith(
             "<|assistant|>"
         )

@@ -34,7 +34,7 @@ def check_outputs(outputs, prompts, adapters, base, tmp_path_factory) -> None:
     for name in set(adapters):
         rows = [i for i, a in enumerate(adapters) if a == name]
         want = reference(base, name, [prompts[i] for i in rows], tmp_path_factory)
-        for i, (tokens, logprobs, prompt_logprobs) in zip(rows, want):
+        for i, (tokens, logprobs, prompt_logprobs) in zip(rows, want, strict=True):
             completion = outputs[i].outputs[0]
             assert list(completion.token_ids) == tokens, (i, name)
             got = [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
@@ -42,7 +42,8 @@ def check_outputs(outputs, prompts, adapters, base, tmp_path_factory) -> None:
             if outputs[i].prompt_logprobs is None:
                 continue
             got_prompt = [
-                lp[t].logprob for lp, t in zip(outputs[i].prompt_logprobs[1:], prompts[i][1:])
+                lp[t].logprob
+                for lp, t in zip(outputs[i].prompt_logprobs[1:], prompts[i][1:], strict=True)
             ]
             assert got_prompt == pytest.approx(prompt_logprobs, abs=1e-4)
 
@@ -82,7 +83,9 @@ def test_mixed_batch_of_three_adapters_and_base(
                 outputs[i].prompt_logprobs[1:]
                 and max(
                     abs(lp[t].logprob - w)
-                    for lp, t, w in zip(outputs[i].prompt_logprobs[1:], prompts[i][1:], base[i][2])
+                    for lp, t, w in zip(
+                        outputs[i].prompt_logprobs[1:], prompts[i][1:], base[i][2], strict=True
+                    )
                 )
                 > 1e-2
             )
@@ -122,7 +125,9 @@ def test_lru_eviction_one_slot_two_cached_with_preemption(
 ) -> None:
     names = ["a1", "a2", "a3", "a4"]
     paths = [qwen2_adapters[n] for n in names]
-    requests = [LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(zip(names, paths))]
+    requests = [
+        LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(zip(names, paths, strict=True))
+    ]
     prompts = random_prompts([60, 62, 61, 63, 60, 62, 61, 63], seed=3)
     llm = LLM(
         str(tiny_qwen2),
@@ -216,7 +221,7 @@ def test_pytorch_bin_adapter_and_beam_search(tiny_qwen2, qwen2_adapters, tmp_pat
     st, bn = LoRARequest("st", 1, str(src)), LoRARequest("bin", 2, str(binary))
     prompts = random_prompts([9, 21], seed=4)
     outs = generate(llm, prompts * 2, [st, st, bn, bn])
-    for a, b in zip(outs[:2], outs[2:]):
+    for a, b in zip(outs[:2], outs[2:], strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob)
     beams = llm.beam_search(
@@ -264,8 +269,8 @@ def test_bf16_and_int8_base_close_to_fp32_reference(
         **{"dtype": "float32", **kwargs},
     )
     out = generate(llm, prompts, [LoRARequest("a1", 1, str(adapter))])[0]
-    got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompts[0][1:])]
+    got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompts[0][1:], strict=True)]
     want = reference(tiny_qwen2, adapter, prompts, tmp_path_factory)[0][2]
     base = reference(tiny_qwen2, None, prompts, tmp_path_factory)[0][2]
-    err = max(abs(a - b) for a, b in zip(got, want))
-    assert err < 0.05 and err < max(abs(a - b) for a, b in zip(got, base))
+    err = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    assert err < 0.05 and err < max(abs(a - b) for a, b in zip(got, base, strict=True))

@@ -7,6 +7,7 @@ Several requests are packed into one flat forward; the encoder attention metadat
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ def run_packed(
 def pool_each(model, hidden: torch.Tensor, qsl: list[int], task: str, **kw) -> torch.Tensor:
     params = PoolingParams(task=task, **kw)
     with torch.no_grad():
-        return torch.stack([model.pooler(hidden[s:e], params) for s, e in zip(qsl, qsl[1:])])
+        return torch.stack([model.pooler(hidden[s:e], params) for s, e in pairwise(qsl)])
 
 
 # ---------------------------------------------------------------- all-MiniLM-L6-v2 (real model)
@@ -210,8 +211,8 @@ def test_tiny_bert_model_matches_transformers(tiny_bert_dir: Path) -> None:
     requests_all = requests + pair_ids
     types_all = [[0] * len(r) for r in requests] + pair_types
     hidden, qsl = run_packed(ours, requests_all, types_all)
-    want = [_hf_hidden(hf, r, t) for r, t in zip(requests_all, types_all)]
-    for (s, e), w in zip(zip(qsl, qsl[1:]), want):
+    want = [_hf_hidden(hf, r, t) for r, t in zip(requests_all, types_all, strict=True)]
+    for (s, e), w in zip(pairwise(qsl), want, strict=True):
         torch.testing.assert_close(hidden[s:e], w, atol=1e-4, rtol=0)
 
     # token_type_ids=None means all zeros.
@@ -249,7 +250,7 @@ def test_tiny_classifier_matches_transformers(tiny_cls_dirs, num_labels: int) ->
         want = torch.cat(
             [
                 hf(input_ids=torch.tensor([r]), token_type_ids=torch.tensor([t])).logits
-                for r, t in zip(requests, types)
+                for r, t in zip(requests, types, strict=True)
             ]
         )
     assert logits.shape == (len(requests), num_labels)
@@ -261,7 +262,7 @@ def test_tiny_classifier_matches_transformers(tiny_cls_dirs, num_labels: int) ->
     encoder = _load_ours(BertModel, path)
     enc_hidden, _ = run_packed(encoder, requests, types)
     torch.testing.assert_close(enc_hidden, hidden, atol=0, rtol=0)
-    for (s, e), r, t in zip(zip(qsl, qsl[1:]), requests, types):
+    for (s, e), r, t in zip(pairwise(qsl), requests, types, strict=True):
         torch.testing.assert_close(hidden[s:e], _hf_hidden(hf.bert, r, t), atol=1e-4, rtol=0)
 
 
@@ -270,7 +271,7 @@ def test_packing_equals_alone(tiny_cls_dirs) -> None:
     pair_ids, pair_types = _pairs()
     hidden, qsl = run_packed(ours, pair_ids, pair_types)
     batch = pool_each(ours, hidden, qsl, "classify")
-    for i, (r, t) in enumerate(zip(pair_ids, pair_types)):
+    for i, (r, t) in enumerate(zip(pair_ids, pair_types, strict=True)):
         alone_hidden, alone_qsl = run_packed(ours, [r], [t])
         torch.testing.assert_close(alone_hidden, hidden[qsl[i] : qsl[i + 1]], atol=1e-5, rtol=0)
         alone = pool_each(ours, alone_hidden, alone_qsl, "classify")

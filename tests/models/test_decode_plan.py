@@ -36,7 +36,7 @@ def _generate(model, tokenizer, max_num_seqs: int, dtype: str) -> list:
     finally:
         llm.llm_engine.shutdown()
     logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs] for o in outs]
-    return [(o.token_ids, lps) for o, lps in zip(outs, logprobs)]
+    return [(o.token_ids, lps) for o, lps in zip(outs, logprobs, strict=True)]
 
 
 @pytest.mark.parametrize(

@@ -114,7 +114,7 @@ def hf_reference(tiny_gemma3) -> tuple[list[list[int]], list[list[float]]]:
 
 def _assert_matches(got_tokens, got_logprobs, want_tokens, want_logprobs) -> None:
     for tokens, logprobs, want_t, want_lp in zip(
-        got_tokens, got_logprobs, want_tokens, want_logprobs
+        got_tokens, got_logprobs, want_tokens, want_logprobs, strict=True
     ):
         assert tokens == want_t
         assert logprobs == pytest.approx(want_lp, abs=1e-4)
@@ -194,7 +194,7 @@ def test_as_last_token_embedder_matches_transformers(tiny_gemma3) -> None:
     llm = LLM(str(tiny_gemma3), runner="pooling", dtype="float32", max_model_len=64)
     outs = llm.embed([{"prompt_token_ids": p} for p in _prompts()], use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32).eval()
-    for prompt, out in zip(_prompts(), outs):
+    for prompt, out in zip(_prompts(), outs, strict=True):
         with torch.no_grad():
             last = hf.model(torch.tensor([prompt])).last_hidden_state[0, -1]
         want = torch.nn.functional.normalize(last, dim=-1)

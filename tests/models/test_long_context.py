@@ -52,7 +52,7 @@ def _check(model_dir: Path) -> None:
     for _ in range(2):  # the second pass reads the prompts' blocks from the prefix cache
         tokens, logprobs = _generate(llm)
         assert tokens == want_tokens
-        for got, want in zip(logprobs, want_logprobs):
+        for got, want in zip(logprobs, want_logprobs, strict=True):
             assert got == pytest.approx(want, abs=1e-4)
 
 
@@ -76,8 +76,10 @@ def _prompt_logprobs(llm: LLM, sequences: list[list[int]]) -> list[torch.Tensor]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     return [
-        torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], seq[1:])])
-        for out, seq in zip(outputs, sequences)
+        torch.tensor(
+            [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
+        )
+        for out, seq in zip(outputs, sequences, strict=True)
     ]
 
 
@@ -106,7 +108,7 @@ def test_fp8_kv_cache_logprob_drift_is_bounded(
     assert blocks[1] == 4 * blocks[0]
     exact = _prompt_logprobs(exact_llm, sequences)
     approx = _prompt_logprobs(fp8_llm, sequences)
-    diff = torch.cat([a - b for a, b in zip(approx, exact)]).abs()
+    diff = torch.cat([a - b for a, b in zip(approx, exact, strict=True)]).abs()
     # measured: e4m3 max 0.020 / mean 0.004, e5m2 0.043 / 0.010 (same on both paths)
     bound = 0.06 if kv_cache_dtype == "fp8" else 0.12
     assert diff.max() < bound and diff.mean() < bound / 5, (diff.max(), diff.mean())

@@ -59,7 +59,7 @@ def _check_against_hf(model_dir, reference_dir=None, **llm_kwargs) -> None:
     llm = LLM(str(model_dir), dtype="float32", max_model_len=256, **llm_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, tokens, logprobs in zip(outputs, want_tokens, want_logprobs):
+    for out, tokens, logprobs in zip(outputs, want_tokens, want_logprobs, strict=True):
         completion = out.outputs[0]
         assert list(completion.token_ids) == tokens
         got = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
@@ -109,7 +109,9 @@ def test_bf16_agrees_with_fp32_on_most_tokens(tiny_qwen2) -> None:
         llm = LLM(str(tiny_qwen2), dtype=dtype, max_model_len=256)
         results[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     same = sum(
-        a == b for x, y in zip(results["float32"], results["bfloat16"]) for a, b in zip(x, y)
+        a == b
+        for x, y in zip(results["float32"], results["bfloat16"], strict=True)
+        for a, b in zip(x, y, strict=True)
     )
     total = sum(len(x) for x in results["float32"])
     assert same / total >= 0.6, (same, total)

@@ -29,7 +29,7 @@ def perturbed_checkpoint(src: Path, dst: Path, seed: int = 1) -> dict[str, torch
 
 def run(llm: LLM, prompt=LONG_PROMPT):
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
-    return out.token_ids, [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
+    return out.token_ids, [d[t].logprob for d, t in zip(out.logprobs, out.token_ids, strict=True)]
 
 
 def assert_close(got, want) -> None:

@@ -79,7 +79,7 @@ def test_processed_modes_match_reference(tiny_qwen2, mode):
     raw_rows = vocab_vectors(raw_out.outputs[0], vocab)
     got_rows = vocab_vectors(out.outputs[0], vocab)
     prompt = PROMPT["prompt_token_ids"]
-    for i, (raw, got) in enumerate(zip(raw_rows, got_rows)):
+    for i, (raw, got) in enumerate(zip(raw_rows, got_rows, strict=True)):
         want = processed_reference(raw, prompt, list(tokens[:i]))
         if mode == "processed_logprobs":
             want = want.log_softmax(-1)
@@ -89,7 +89,7 @@ def test_processed_modes_match_reference(tiny_qwen2, mode):
         assert not torch.isinf(got[tokens[i]])  # the sampled token survived every filter
     # prompt logprobs are raw log-probabilities in every mode, as in vLLM's runner
     raw_lp, _ = run(tiny_qwen2, "raw_logprobs")
-    for got, want in zip(out.prompt_logprobs[1:], raw_lp.prompt_logprobs[1:]):
+    for got, want in zip(out.prompt_logprobs[1:], raw_lp.prompt_logprobs[1:], strict=True):
         for token, lp in want.items():
             assert got[token].logprob == pytest.approx(lp.logprob, abs=1e-5)
 
@@ -114,7 +114,7 @@ def test_processed_modes_with_speculative_decoding(tiny_qwen2, mode):
 
     plain, drafted = run(), run(speculative_config=spec)
     assert drafted.token_ids == plain.token_ids
-    for got, want in zip(drafted.logprobs, plain.logprobs):
+    for got, want in zip(drafted.logprobs, plain.logprobs, strict=True):
         assert got.keys() == want.keys()
         for token in want:
             assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-4)

@@ -18,7 +18,7 @@ NAME = "model.layers.3.mlp.down_proj.weight"
 
 def run(llm: LLM):
     out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0]
-    return out.token_ids, [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
+    return out.token_ids, [d[t].logprob for d, t in zip(out.logprobs, out.token_ids, strict=True)]
 
 
 def test_dequantized_real_model_sleeps_reloads_and_updates(monkeypatch):

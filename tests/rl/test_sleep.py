@@ -22,7 +22,10 @@ def run(llm: LLM):
     return [
         (
             o.outputs[0].token_ids,
-            [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+            [
+                d[t].logprob
+                for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+            ],
         )
         for o in outs
     ]

@@ -59,13 +59,13 @@ def outputs(llm: LLM):
 
 
 def assert_same(got, want) -> None:
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lp_g, lp_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+        for lp_g, lp_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
             assert lp_g.keys() == lp_w.keys()
             for tok in lp_g:
                 assert lp_g[tok].logprob == pytest.approx(lp_w[tok].logprob, abs=1e-4)
-        for lp_g, lp_w in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+        for lp_g, lp_w in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
             for tok in lp_w:
                 assert lp_g[tok].logprob == pytest.approx(lp_w[tok].logprob, abs=1e-4)
 

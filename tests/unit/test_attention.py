@@ -100,10 +100,10 @@ def run_case(
         output_query_lens=None if output_lens is None else np.array(output_lens, np.int64),
     )
     if output_lens is not None:
-        queries = [q[len(q) - n :] for q, n in zip(queries, output_lens)]
+        queries = [q[len(q) - n :] for q, n in zip(queries, output_lens, strict=True)]
     query = torch.cat(queries)
-    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, specs)])
-    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, specs)])
+    key = torch.cat([k[c:] for k, (c, _) in zip(full_k, specs, strict=True)])
+    value = torch.cat([v[c:] for v, (c, _) in zip(full_v, specs, strict=True)])
     if pad_rows:  # inputs padded past the real tokens (as for a captured graph)
         query = torch.cat([query, torch.randn(pad_rows, num_heads, HEAD_SIZE, generator=gen)])
         key = torch.cat([key, torch.randn(pad_rows, num_kv_heads, HEAD_SIZE, generator=gen)])
@@ -112,7 +112,7 @@ def run_case(
     expected = torch.cat(
         [
             reference_attention(q, k, v, HEAD_SIZE**-0.5, window)
-            for q, k, v in zip(queries, full_k, full_v)
+            for q, k, v in zip(queries, full_k, full_v, strict=True)
         ]
     )
     num_tokens = int(query_start_loc[-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -191,7 +192,7 @@ def test_incremental_matches_decode_byte_level(tok, skip: bool, spaces: bool) ->
         assert det.token_ids == gen
         assert all(FFFD not in s for s in snapshots)
         # Text only ever grows.
-        assert all(b.startswith(a) for a, b in zip(snapshots, snapshots[1:]))
+        assert all(b.startswith(a) for a, b in pairwise(snapshots))
 
 
 def test_incremental_chunked_updates(tok) -> None:
@@ -528,4 +529,7 @@ def test_sample_logprobs_complete_partial_characters(sp_tok, flat: bool) -> None
     for token_id in ids:  # the first piece is also every position's alternative
         state.add_logprobs(LogprobsLists([[token_id, ids[0]]], [[-0.1, -0.2]], [1]), prompt=False)
     assert state.logprobs is not None
-    assert "".join(position[t].decoded_token for position, t in zip(state.logprobs, ids)) == "日本"
+    assert (
+        "".join(position[t].decoded_token for position, t in zip(state.logprobs, ids, strict=True))
+        == "日本"
+    )

@@ -40,7 +40,7 @@ def test_single_prompt(prompt: Any) -> None:
 def test_batch(prompts: Any, expected_len: int) -> None:
     out = prompt_to_seq(prompts)
     assert isinstance(out, list) and len(out) == expected_len
-    assert all(a is b for a, b in zip(out, prompts))
+    assert all(a is b for a, b in zip(out, prompts, strict=True))
 
 
 def test_typed_dicts() -> None:

@@ -89,3 +89,21 @@ def test_decode_rejects_bad_inputs() -> None:
         paged_decode_attention(lib, q, cache[0], cache[1], table, seq_lens.int(), 1.0, None)
     with pytest.raises(TypeError):
         paged_decode_attention(lib, q.bfloat16(), cache[0], cache[1], table, seq_lens, 1.0, None)
+
+
+def test_debug_mode_checks_block_ids(monkeypatch) -> None:
+    """PAGEDLM_CHECK_KERNEL_ARGS=1: a block id outside the cache raises instead of being read
+    (entries past a sequence's blocks are not read, so they may hold anything)."""
+    cache, table, seq_lens, _, queries, _, _ = make_paged(
+        [(3, 1), (40, 1)], 4, 2, 64, 16, torch.float32
+    )
+    q = torch.cat(queries)
+    table[0, 1:] = -7  # request 0 reads one block: the rest is padding
+    monkeypatch.setenv("PAGEDLM_CHECK_KERNEL_ARGS", "1")
+    paged_decode_attention(lib, q, cache[0], cache[1], table, seq_lens, 1.0, None)
+    table[1, 2] = cache.shape[1]  # one past the last block, read by request 1
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_decode_attention(lib, q, cache[0], cache[1], table, seq_lens, 1.0, None)
+    monkeypatch.delenv("PAGEDLM_CHECK_KERNEL_ARGS")
+    table[1, 2] = 0
+    paged_decode_attention(lib, q, cache[0], cache[1], table, seq_lens, 1.0, None)

@@ -409,7 +409,7 @@ def _seeded_sequence(seed: int, with_companions: bool, global_seed: int, steps: 
         logits = torch.randn(len(rows), vocab) * 1.5
         logits[position] = _step_logits(step, vocab)
         sampled = Sampler()(logits, build(rows, vocab)).sampled_token_ids.tolist()
-        for request, token in zip(rows, sampled):
+        for request, token in zip(rows, sampled, strict=True):
             request.output_token_ids.append(token)
         tokens.append(sampled[position])
     return tokens

@@ -40,7 +40,7 @@ class WeightTransferUpdateInfo:
                 f"update_info needs one dtype name and one shape per name: got {n} names, "
                 f"{len(self.dtype_names)} dtype_names and {len(self.shapes)} shapes."
             )
-        for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes):
+        for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes, strict=True):
             dtype = getattr(torch, str(dtype_name), None)
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
                 raise ValueError(

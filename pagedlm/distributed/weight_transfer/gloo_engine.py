@@ -99,7 +99,9 @@ class GlooWeightTransferEngine(WeightTransferEngine):
                 "gloo weight transfer not initialized: call init_weight_transfer_engine first."
             )
         weights = []
-        for name, dtype, shape in zip(update_info.names, update_info.dtypes(), update_info.shapes):
+        for name, dtype, shape in zip(
+            update_info.names, update_info.dtypes(), update_info.shapes, strict=True
+        ):
             buffer = torch.empty(shape, dtype=dtype)
             self.group.broadcast(buffer, 0)
             weights.append((name, buffer))

@@ -83,7 +83,7 @@ def pack_shared(
     finally:
         os.close(fd)
     buffer = _map(path, max(total, 1))
-    for (_, tensor), offset in zip(weights, offsets):
+    for (_, tensor), offset in zip(weights, offsets, strict=True):
         t = tensor.detach().contiguous()
         nbytes = t.numel() * t.element_size()
         buffer[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
@@ -114,7 +114,11 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         maps: dict[str, torch.Tensor] = {}
         weights = []
         for name, dtype, shape, handle in zip(
-            update_info.names, update_info.dtypes(), update_info.shapes, update_info.ipc_handles
+            update_info.names,
+            update_info.dtypes(),
+            update_info.shapes,
+            update_info.ipc_handles,
+            strict=True,
         ):
             weights.append((name, self._open(name, dtype, shape, handle, maps)))
         try:

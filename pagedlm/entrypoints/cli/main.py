@@ -1,11 +1,22 @@
-"""The `pagedlm` command: generate, chat, run-batch (more subcommands register themselves here)."""
+"""The `pagedlm` command: generate, chat, run-batch (more subcommands register themselves here).
+
+A user error (an unknown model, a missing file, a bad option value, an option pagedlm does not
+support) prints one line saying what to do and exits 2; `--debug` (or VLLM_LOGGING_LEVEL=DEBUG)
+shows the traceback. VLLM_LOGGING_LEVEL also sets the level of pagedlm's log (default: warnings).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
+from pagedlm import envs
 from pagedlm.engine.arg_utils import EngineArgs, FlexibleArgumentParser
+
+# What a user can fix: values, files, options pagedlm refuses. Anything else is a bug and keeps
+# its traceback.
+USER_ERRORS = (ValueError, OSError, NotImplementedError)
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +50,8 @@ def _make_llm(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     llm = _make_llm(args)
     params = _sampling_params(args)
-    for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
+    progress = len(args.prompts) > 1 and sys.stderr.isatty()  # quiet in a pipe
+    for out in llm.generate(args.prompts, params, use_tqdm=progress):
         if len(args.prompts) > 1:
             print(f"### {out.prompt}")
         print(out.outputs[0].text)
@@ -87,6 +99,11 @@ def build_parser() -> FlexibleArgumentParser:
 
     for register in _extra_commands():
         register(sub)
+    for name, command in sub.choices.items():
+        if name != "bench":  # bench passes its arguments on to the script
+            command.add_argument(
+                "--debug", action="store_true", help="Show the traceback of an error."
+            )
     return parser
 
 
@@ -124,10 +141,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return " ".join(text.split())
+
+
+def configure_logging() -> bool:
+    """pagedlm's log level from VLLM_LOGGING_LEVEL (unset: Python's default, warnings only);
+    True when it asks for debugging."""
+    level = envs.VLLM_LOGGING_LEVEL
+    if not level:
+        return False
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedlm").setLevel(level.upper())
+    return level.upper() == "DEBUG"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    debug = configure_logging() or getattr(args, "debug", False)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"pagedlm {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

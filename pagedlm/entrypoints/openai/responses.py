@@ -58,7 +58,7 @@ _Step = tuple[str, "float | None", list[tuple[str, float]]]
 
 def logprob_steps(c: CompletionOutput, tokenizer: Any, k: int, as_ids: bool) -> list[_Step]:
     steps: list[_Step] = []
-    for token_id, position in zip(c.token_ids, c.logprobs or ()):
+    for token_id, position in zip(c.token_ids, c.logprobs or (), strict=True):
         position = position or {}
         sampled = position.get(token_id)
         ranked = sorted(  # by vocabulary rank: the sampled token may or may not be in the top k
@@ -97,5 +97,5 @@ def completion_logprobs(steps: list[_Step]) -> dict[str, Any]:
         "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1],
         "token_logprobs": [logprob for _, logprob, _ in steps],
         "tokens": tokens,
-        "top_logprobs": [{**dict(top), **s} for (_, _, top), s in zip(steps, sampled)],
+        "top_logprobs": [{**dict(top), **s} for (_, _, top), s in zip(steps, sampled, strict=True)],
     }
