@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any, NoReturn, Protocol
 
-from pagedlm.exceptions import VLLMValidationError
+from pagedlm.sampling_checks import reject, verify_against_model, verify_sampling_args
 from pagedlm.sampling_options import (
     BeamSearchParams,
     RepetitionDetectionParams,
@@ -22,9 +21,7 @@ from pagedlm.sampling_options import (
     StructuredOutputsParams,
     check_field_types,
     convert_logit_bias,
-    is_int,
     validate_thinking_token_budget,
-    verify_num_sequences,
 )
 
 __all__ = [
@@ -40,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
-MAX_LOGPROB_TOKEN_IDS = 128
-"""Upper bound on ``len(SamplingParams.logprob_token_ids)``."""
 
 
 class _Tokenizer(Protocol):
@@ -247,70 +242,10 @@ class SamplingParams:
         check_field_types(self)
 
     def _reject(self, name: str, message: str, value: Any = None) -> NoReturn:
-        """Raise VLLMValidationError for field ``name`` (``value`` defaults to the field's)."""
-        value = getattr(self, name) if value is None else value
-        raise VLLMValidationError(message, parameter=name, value=value)
+        reject(self, name, message, value)
 
     def _verify_args(self) -> None:
-        verify_num_sequences(self.n, "n")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not math.isfinite(self.repetition_penalty):
-            raise ValueError(
-                f"repetition_penalty must be a finite number, got {self.repetition_penalty}."
-            )
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
-            )
-        t = self.temperature
-        if not math.isfinite(t):
-            self._reject("temperature", f"temperature must be a finite number, got {t}.")
-        if t < 0.0:
-            self._reject("temperature", f"temperature must be non-negative, got {t}.")
-        if not 0.0 < self.top_p <= 1.0:
-            self._reject("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
-        if not is_int(self.top_k):
-            raise TypeError(f"top_k must be an integer, got {type(self.top_k).__name__}")
-        if self.top_k < -1:  # -1 is quietly accepted as "disabled", like 0
-            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            self._reject("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise ValueError(
-                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
-            )
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}."
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and value != -1 and value < 0:
-                self._reject(name, f"{name} must be non-negative or -1, got {value}.")
-        assert isinstance(self.stop_token_ids, list)
-        if not all(is_int(token_id) for token_id in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must contain only integers, got {self.stop_token_ids}."
-            )
-        assert isinstance(self.stop, list)
-        if any(not stop_str for stop_str in self.stop):
-            raise ValueError("stop cannot contain an empty string.")
-        if self.stop and not self.detokenize:
-            raise ValueError(
-                "stop strings are only supported when detokenize is True. "
-                "Set detokenize=True to use stop."
-            )
-        assert isinstance(self.bad_words, list)
-        if any(not word for word in self.bad_words):
-            raise ValueError(
-                f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}"
-            )
+        verify_sampling_args(self)
 
     def update_from_generation_config(
         self, generation_config: dict[str, Any], eos_token_id: int | None = None
@@ -377,60 +312,8 @@ class SamplingParams:
             self.prompt_logprobs = vocab_size
 
     def verify(self, *, max_logprobs: int, vocab_size: int) -> None:
-        """Engine-time checks against the model: logprob counts and token-id ranges.
-
-        ``max_logprobs == -1`` and ``logprobs``/``prompt_logprobs == -1`` mean ``vocab_size``.
-        """
-        if max_logprobs == -1:
-            max_logprobs = vocab_size
-        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
-            requested = getattr(self, name)
-            if not requested:
-                continue
-            if requested == -1:
-                requested = vocab_size
-            if requested > max_logprobs:
-                self._reject(
-                    name,
-                    f"Requested {kind} logprobs of {requested}, which is greater than max "
-                    f"allowed: {max_logprobs}",
-                    requested,
-                )
-        if self.logprob_token_ids is not None:
-            count = len(self.logprob_token_ids)
-            if count > MAX_LOGPROB_TOKEN_IDS:
-                self._reject(
-                    "logprob_token_ids",
-                    f"Requested logprob_token_ids of length {count}, which is greater than max "
-                    f"allowed: {MAX_LOGPROB_TOKEN_IDS}",
-                    count,
-                )
-            self._check_in_vocab("logprob_token_ids", self.logprob_token_ids, vocab_size)
-            if self.logprobs is not None and self.logprobs != count:
-                self._reject(
-                    "logprob_token_ids",
-                    "When both logprobs and logprob_token_ids are set, logprobs must equal "
-                    f"len(logprob_token_ids). Got logprobs={self.logprobs}, "
-                    f"len(logprob_token_ids)={count}.",
-                    count,
-                )
-        if self.stop_token_ids:
-            self._check_in_vocab("stop_token_ids", self.stop_token_ids, vocab_size)
-        if self.logit_bias:
-            self._check_in_vocab("logit_bias", list(self.logit_bias), vocab_size)
-        if self.allowed_token_ids is not None:
-            if len(self.allowed_token_ids) == 0:
-                self._reject("allowed_token_ids", "allowed_token_ids is not None and empty!")
-            invalid = [t for t in self.allowed_token_ids if t < 0 or t >= vocab_size]
-            if invalid:
-                msg = "allowed_token_ids contains out-of-vocab token id!"
-                self._reject("allowed_token_ids", msg, invalid)
-
-    def _check_in_vocab(self, name: str, token_ids: list[int], vocab_size: int) -> None:
-        invalid = [t for t in token_ids if t < 0 or t >= vocab_size]
-        if invalid:
-            msg = f"token_id(s) {invalid} in {name} contain out-of-vocab token ids."
-            self._reject(name, f"{msg} Vocabulary size: {vocab_size}", invalid)
+        """Engine-time checks against the model: logprob counts and token-id ranges."""
+        verify_against_model(self, max_logprobs, vocab_size)
 
     @property
     def sampling_type(self) -> SamplingType:
