@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from pagedlm import envs
 from pagedlm.config import ModelConfig
 
+# model types whose tokenizers transformers' Mistral regex check is about
+_MISTRAL_TYPES = ("mistral", "mistral3", "voxtral", "ministral", "pixtral")
+
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
     if model_config.skip_tokenizer_init:
         return None
-    from transformers import AutoTokenizer
-
-    if model_config.tokenizer.endswith(".gguf"):
-        from pagedlm.model_loader.gguf_loader import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(model_config.tokenizer, envs.cache_dir())
     try:
-        return AutoTokenizer.from_pretrained(
+        return get_tokenizer(
             model_config.tokenizer,
-            revision=model_config.tokenizer_revision,
+            tokenizer_mode=model_config.tokenizer_mode,
             trust_remote_code=model_config.trust_remote_code,
-            use_fast=model_config.tokenizer_mode != "slow",
+            revision=model_config.tokenizer_revision,
         )
+    except NotImplementedError:
+        raise
     except Exception as e:
         raise OSError(
             f"Could not load a tokenizer from {model_config.tokenizer!r} ({e}). Pass "
@@ -56,6 +57,8 @@ def get_tokenizer(
     from transformers import AutoTokenizer
 
     kwargs.setdefault("use_fast", tokenizer_mode != "slow")
+    for key, value in mistral_regex_kwargs(str(tokenizer_name)).items():
+        kwargs.setdefault(key, value)
     return AutoTokenizer.from_pretrained(
         tokenizer_name,
         *args,
@@ -64,3 +67,27 @@ def get_tokenizer(
         cache_dir=download_dir,
         **kwargs,
     )
+
+
+def mistral_regex_kwargs(tokenizer_path: str) -> dict[str, bool]:
+    """`fix_mistral_regex=False` where transformers' Mistral regex warning is false.
+
+    transformers 4.57.3-4.57.x warns that any local tokenizer next to a config.json it wrote
+    has Mistral's "incorrect regex", whatever the model, and with the flag would replace the
+    pre-tokenizer by Mistral's. For other models both are wrong (Qwen2.5: 86 of pagedlm's 135
+    source files tokenize differently with the "fix"; Gemma 3's loader crashes), so pagedlm
+    answers False for them; Mistral models keep transformers' own choice.
+    """
+    import transformers
+    from packaging.version import Version
+
+    if not Version("4.57.3") <= Version(transformers.__version__) < Version("5"):
+        return {}
+    try:
+        config = json.loads((Path(tokenizer_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    model_type = config.get("model_type")
+    if model_type is None or model_type in _MISTRAL_TYPES:
+        return {}
+    return {"fix_mistral_regex": False}
