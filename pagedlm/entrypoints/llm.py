@@ -20,8 +20,9 @@ from pagedlm.engine.arg_utils import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.entrypoints.beam_search import BeamSearchMixin
 from pagedlm.entrypoints.chat_utils import render_conversations
-from pagedlm.entrypoints.control import ControlMixin
 from pagedlm.entrypoints.pooling import PoolingMixin
+from pagedlm.entrypoints.sleep_and_profiling import SleepAndProfilingMixin
+from pagedlm.entrypoints.weight_transfer import WeightTransferMixin
 from pagedlm.inputs import per_prompt, prompt_to_seq
 from pagedlm.outputs import PoolingRequestOutput, RequestOutput
 from pagedlm.pooling_params import PoolingParams
@@ -37,7 +38,7 @@ def _refuse_mm_processor_kwargs(mm_processor_kwargs: dict[str, Any] | None) -> N
         )
 
 
-class LLM(BeamSearchMixin, PoolingMixin, ControlMixin):
+class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingMixin):
     """An offline engine: `LLM(model, **engine_args)`; every option is keyword-only."""
 
     def __init__(

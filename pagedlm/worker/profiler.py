@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pagedlm.config import ProfilerConfig
+from pagedlm.config import ProfilerConfig, VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +124,41 @@ class WorkerProfiler:
         self._trace = str(directory / name)
         profiler.export_chrome_trace(self._trace)
         logger.info("Profiler trace of rank %d written to %s", self.rank, self._trace)
+
+
+class ProfilerAlreadyActiveError(RuntimeError):
+    """start_profile() while a profile is running."""
+
+
+class WorkerProfilerMixin:
+    """The worker's `start_profile` / `stop_profile` (reached by `collective_rpc` by name)."""
+
+    vllm_config: VllmConfig
+    rank: int
+    profiler: WorkerProfiler | None
+
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        config = self.vllm_config.profiler_config
+        if config.profiler != "torch":
+            raise RuntimeError(
+                "Profiling is not enabled: pass profiler_config={'profiler': 'torch', "
+                "'torch_profiler_dir': '/path'} to LLM(...) or set VLLM_TORCH_PROFILER_DIR."
+            )
+        profiler = self.profiler
+        if profiler is None:
+            profiler = self.profiler = WorkerProfiler(config, self.rank)
+        if profiler.active:
+            raise ProfilerAlreadyActiveError(
+                "A profile is already running: call stop_profile() first."
+            )
+        profiler.start(profile_prefix, delay_iterations, max_iterations)
+
+    def stop_profile(self) -> str | None:
+        """Stop and write this rank's Chrome trace; its path (None if nothing was recorded)."""
+        # as vLLM, stopping a stopped (or never started) profiler does nothing
+        return None if self.profiler is None else self.profiler.stop()

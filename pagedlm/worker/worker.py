@@ -15,17 +15,21 @@ from pagedlm.config import VllmConfig
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.distributed import init_distributed_environment
 from pagedlm.gc_utils import freeze_gc_heap
+from pagedlm.models.interfaces import ModelBase
 from pagedlm.platforms import current_platform
 from pagedlm.runner_outputs import ModelRunnerOutput
-from pagedlm.worker.control import WorkerControlMixin
 from pagedlm.worker.lora_model_runner_mixin import WorkerLoRAMixin
 from pagedlm.worker.model_runner import ModelRunner
-from pagedlm.worker.profiler import WorkerProfiler
+from pagedlm.worker.profiler import WorkerProfiler, WorkerProfilerMixin
+from pagedlm.worker.weight_updates import WorkerWeightUpdatesMixin
+from pagedlm.worker.worker_sleep import WorkerSleepMixin
 
 logger = logging.getLogger(__name__)
 
 
-class Worker(WorkerControlMixin, WorkerLoRAMixin):
+class Worker(WorkerWeightUpdatesMixin, WorkerSleepMixin, WorkerProfilerMixin, WorkerLoRAMixin):
+    """The mixins are the calls `collective_rpc` reaches by name, one file per concern."""
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -74,6 +78,10 @@ class Worker(WorkerControlMixin, WorkerLoRAMixin):
     def _runner(self) -> ModelRunner:
         assert self.model_runner is not None, "load_model() first"
         return self.model_runner
+
+    @property
+    def _model(self) -> ModelBase:  # type: ignore[override]
+        return self._runner().model
 
     # ------------------------------------------------------------- KV cache
     def get_kv_cache_bytes_per_block(self, block_size: int) -> int:
