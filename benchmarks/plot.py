@@ -1,5 +1,6 @@
 """Draw the benchmarks' JSON results as PNG charts for the docs.
 
+    .venv/bin/pip install -e '.[bench]'   # matplotlib
     .venv/bin/python benchmarks/plot.py benchmarks/results/*.json   # writes docs/*.png
 
 Reads exactly what `throughput.py --json` and `latency.py --json` write: a throughput file is
