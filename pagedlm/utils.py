@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative integers: the blocks `a` tokens need at `b` per block."""
     return -(-a // b)
+
+
+def release_mapped_pages(address: int, nbytes: int) -> None:
+    """Drop this process's resident pages of [address, address + nbytes) in a read-only file
+    mapping (madvise MADV_DONTNEED; they come back from the page cache if read again).
+
+    Only for memory that maps a file shared (np.memmap mode "r"): on anonymous memory it
+    would zero the data. A no-op where libc has no madvise.
+    """
+    if nbytes <= 0:
+        return
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    page = mmap.PAGESIZE
+    start = address // page * page
+    madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4

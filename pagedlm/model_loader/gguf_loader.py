@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pagedlm.model_loader.gguf_reader import GGUFFile
+from pagedlm.utils import release_mapped_pages
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,10 @@ def iterate_gguf(
     from pagedlm.kernels.gguf_quants import dequantize
     from pagedlm.layers.quantization.gguf import GGUFRawTensor
 
-    reader = _reader(str(path))
+    # A mapping of its own, not the cached reader's: once the packed copies are made and the
+    # raw views dropped (process_weights_after_loading), it is unmapped and the file's pages
+    # leave this process's memory (the cached reader keeps only the metadata pages it read).
+    reader = GGUFFile(str(path))
     arch = _field(reader, "general.architecture")
     for tensor in reader.tensors:
         name = _hf_name(arch, tensor.name)
@@ -189,11 +193,15 @@ def iterate_gguf(
                 heads = config.num_attention_heads
                 if "k_proj" in name:
                     heads = config.num_key_value_heads
-                data = _unpermute(data, heads)
-            yield name, GGUFRawTensor(data, tensor.ggml_type, tensor.shape)
+                data = _unpermute(data, heads)  # a copy
+            # only a view of the mapping may have its pages released (on a copy, madvise
+            # would zero live memory)
+            file_backed = data.untyped_storage().data_ptr() == raw.ctypes.data
+            yield name, GGUFRawTensor(data, tensor.ggml_type, tensor.shape, file_backed)
             continue
         matrix = len(tensor.shape) == 2
         weight = dequantize(raw, tensor.ggml_type, tensor.shape, dtype if matrix else torch.float32)
+        release_mapped_pages(raw.ctypes.data, raw.nbytes)  # decoded: the file's pages go
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads
             if "k_proj" in name:

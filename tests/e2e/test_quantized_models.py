@@ -22,6 +22,7 @@ from pagedlm.layers.quantization.int8 import quantize_per_channel
 from tests.e2e.test_tensor_parallel import _prompts
 from tests.gguf_writer import write_llama_gguf
 from tests.models.test_models_vs_hf import _check_against_hf
+from tests.proc_maps import HAS_SMAPS, resident_kb
 
 MIXED = {
     "attn_q": T.Q5_0,
@@ -98,3 +99,15 @@ def test_int8_matches_transformers_on_fake_quantized_weights(tiny_qwen2, tmp_pat
                 module.weight.copy_(q.float() * scale[:, None])
     model.save_pretrained(fake, safe_serialization=True)
     _check_against_hf(tiny_qwen2, reference_dir=fake, quantization="int8")
+
+
+@pytest.mark.skipif(not HAS_SMAPS, reason="reads Linux's smaps")
+def test_packed_gguf_holds_no_file_pages_after_loading(tiny_llama, mixed_gguf) -> None:
+    """The packed copies replace what was read: the tensor mapping is gone once the model is
+    loaded (only the cached metadata reader's mapping stays, with the pages it parsed)."""
+    llm = LLM(str(mixed_gguf), tokenizer=str(tiny_llama), dtype="float32", max_model_len=64)
+    count, rss_kb = resident_kb(mixed_gguf)
+    assert count <= 1
+    data_kb = mixed_gguf.stat().st_size // 1024
+    assert rss_kb < data_kb // 2, (rss_kb, data_kb)
+    assert llm.generate("hello", use_tqdm=False)[0].outputs[0].token_ids

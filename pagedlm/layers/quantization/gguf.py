@@ -31,6 +31,7 @@ from pagedlm.kernels.gguf_pack import (
 )
 from pagedlm.kernels.gguf_quants import dequantize
 from pagedlm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
+from pagedlm.utils import release_mapped_pages
 
 GEMV_ROWS = 4  # integer GEMV up to here, the integer GEMM past it (crossover 4-8 rows)
 _TILE_VALUES = 1 << 20  # weight values dequantized per prefill tile (2 MB in bf16)
@@ -40,14 +41,25 @@ class GGUFRawTensor:
     """A GGUF matrix as raw blocks: `data` uint8 [rows, bytes_per_row], `shape` (rows, cols).
 
     `narrow` slices rows, or columns in whole blocks, the way the tensor-parallel loaders do.
+    `file_backed`: `data` views a read-only mapping of the GGUF file, whose pages are dropped
+    from this process once the packed copy is made (`release`).
     """
 
-    def __init__(self, data: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> None:
+    def __init__(
+        self, data: torch.Tensor, ggml_type: int, shape: tuple[int, int], file_backed: bool = False
+    ) -> None:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         rows, cols = shape
         if data.dtype != torch.uint8 or tuple(data.shape) != (rows, cols // block * type_size):
             raise ValueError(f"GGUF raw tensor {tuple(data.shape)} does not hold {shape}")
         self.data, self.ggml_type, self._shape = data, int(ggml_type), (rows, cols)
+        self.file_backed = file_backed
+
+    def release(self) -> None:
+        """After packing: the file's pages this view read leave this process's memory."""
+        if self.file_backed:
+            storage = self.data.untyped_storage()
+            release_mapped_pages(storage.data_ptr(), storage.nbytes())
 
     @property
     def shape(self) -> torch.Size:
@@ -59,7 +71,8 @@ class GGUFRawTensor:
     def narrow(self, dim: int, start: int, length: int) -> GGUFRawTensor:
         rows, cols = self._shape
         if dim == 0:
-            return GGUFRawTensor(self.data.narrow(0, start, length), self.ggml_type, (length, cols))
+            data = self.data.narrow(0, start, length)
+            return GGUFRawTensor(data, self.ggml_type, (length, cols), self.file_backed)
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(self.ggml_type)]
         if start % block or length % block:
             raise ValueError(
@@ -67,7 +80,7 @@ class GGUFRawTensor:
                 f"{block}-value blocks (tensor_parallel_size too large for this model?)"
             )
         sliced = self.data.narrow(1, start // block * type_size, length // block * type_size)
-        return GGUFRawTensor(sliced, self.ggml_type, (rows, length))
+        return GGUFRawTensor(sliced, self.ggml_type, (rows, length), self.file_backed)
 
 
 class _ShardSink:
@@ -123,6 +136,9 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shards = sorted(layer.gguf_shards, key=lambda s: s[0])
+        # emptied, not just detached: the loader's sink (kept by finalize_weights' record of
+        # loaders) holds this list, and its raw views hold the file's mapping in memory
+        layer.gguf_shards.clear()
         del layer.gguf_shards
         groups = _merge(shards, layer.output_size, layer.input_size, layer.params_dtype)
         if all(g.dense is not None for g in groups):  # nothing packed: the unquantized path
@@ -163,6 +179,8 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[_Grou
         data = torch.cat([t.data for _, t in pending]) if len(pending) > 1 else first.data
         packed = pack_gguf(data, first.ggml_type, (rows, first.shape[1]))
         groups.append(_Group(offset, rows, packed, None))
+        for _, raw in pending:
+            raw.release()
         pending.clear()
 
     at = 0
@@ -171,7 +189,8 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[_Grou
             raise ValueError(f"GGUF layer of {rows} rows: rows {at}..{offset} were not loaded")
         if isinstance(tensor, GGUFRawTensor) and not can_pack(tensor.ggml_type, tensor.shape):
             # e.g. a tensor-parallel column shard narrower than a 64-value chunk
-            tensor = dequantize(tensor.data, tensor.ggml_type, tuple(tensor.shape))
+            raw, tensor = tensor, dequantize(tensor.data, tensor.ggml_type, tuple(tensor.shape))
+            raw.release()
         is_raw = isinstance(tensor, GGUFRawTensor)
         if pending and (not is_raw or pending[-1][1].ggml_type != tensor.ggml_type):
             flush()
