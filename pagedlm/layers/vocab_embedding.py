@@ -7,6 +7,8 @@ does not hold and all-reduces; the LM head gathers every rank's logits on the fi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,10 +37,18 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.zeros(per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.quant_method: Any = None  # GGUFEmbeddingMethod: the table kept as GGUF blocks
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
+        from pagedlm.layers.quantization.gguf import GGUFEmbeddingMethod, GGUFRawTensor
+
+        # an untied table of a GGUF file (a GGUF LM head's blocks go to its linear method's sink)
+        if isinstance(loaded_weight, GGUFRawTensor) and param is self.weight:
+            self.quant_method = GGUFEmbeddingMethod()
+            self.quant_method.load(self, loaded_weight)
+            return
         if self.tp_size == 1:
             default_weight_loader(param, loaded_weight)
             return
@@ -51,12 +61,17 @@ class VocabParallelEmbedding(nn.Module):
         rows = loaded_weight.narrow(0, self.vocab_start, n)
         default_weight_loader(param.data.narrow(0, 0, n), rows)
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(held, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local_ids) * held.unsqueeze(-1).to(self.weight.dtype)
         return tensor_model_parallel_all_reduce(out)
 
 

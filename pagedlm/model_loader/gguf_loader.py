@@ -156,6 +156,18 @@ def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 _LINEAR_WEIGHT = re.compile(r"(_proj|lm_head)\.weight$")
 
 
+def _keeps_blocks(name: str, tensor: Any, config: Any) -> bool:
+    """Under quantization="gguf": linear weights the packed kernels compute with, and an
+    untied embedding table (looked up row by row); the rest is decoded to dense tensors."""
+    if _LINEAR_WEIGHT.search(name):
+        from pagedlm.kernels.gguf_pack import can_pack
+
+        return can_pack(tensor.ggml_type, tensor.shape)
+    quantized = tensor.ggml_type not in (0, 1, 30)  # F32, F16, BF16 decode to dense anyway
+    untied = not getattr(config, "tie_word_embeddings", False)
+    return name == "model.embed_tokens.weight" and quantized and untied
+
+
 def iterate_gguf(
     path: str | Path,
     config: Any,
@@ -166,7 +178,6 @@ def iterate_gguf(
     in fp32 and rounded once, as copying into a `dtype` parameter would; half the transient
     memory of fp32 for bf16 models), vectors in fp32; under quantization="gguf" linear
     weights of types with packed kernels come as GGUFRawTensor (raw blocks) instead."""
-    from pagedlm.kernels.gguf_pack import can_pack
     from pagedlm.kernels.gguf_quants import dequantize
     from pagedlm.layers.quantization.gguf import GGUFRawTensor
 
@@ -180,11 +191,7 @@ def iterate_gguf(
         if name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in {arch} models")
         raw = reader.tensor_bytes(tensor)
-        if (
-            quantization == "gguf"
-            and _LINEAR_WEIGHT.search(name)
-            and can_pack(tensor.ggml_type, tensor.shape)
-        ):
+        if quantization == "gguf" and _keeps_blocks(name, tensor, config):
             rows = tensor.shape[0]
             with warnings.catch_warnings():  # read-only mapping; the packer only reads it
                 warnings.simplefilter("ignore", UserWarning)

@@ -169,3 +169,24 @@ def test_without_c_kernels_the_torch_twin_computes(monkeypatch) -> None:
     layer.process_weights_after_loading()
     x = torch.randn(2, 64)
     torch.testing.assert_close(layer(x), F.linear(x, _dense(r)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q8_0, T.Q4_K])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_embedding_rows_equal_the_decoded_table(qtype, dtype) -> None:
+    """An untied GGUF table stays in its blocks: a lookup decodes only its rows, to exactly
+    what decoding the whole table (as before) gives; the dense parameter holds no memory."""
+    from pagedlm.layers.vocab_embedding import VocabParallelEmbedding
+
+    rows, cols = 40, 256
+    raw = _raw_tensor(qtype, rows, cols, seed=3)
+    want = dequantize(raw.data, raw.ggml_type, (rows, cols), dtype)
+    with torch.device("cpu"):
+        table = VocabParallelEmbedding(rows, cols)
+    table.weight.data = table.weight.data.to(dtype)
+    table.weight.weight_loader(table.weight, raw)
+    assert table.weight.is_meta and table.weight.dtype == dtype
+    ids = torch.tensor([[0, 39, 7], [7, 12, 1]])
+    got = table(ids)
+    assert got.dtype == dtype and got.shape == (2, 3, cols)
+    assert torch.equal(got, want[ids])

@@ -120,6 +120,31 @@ class _Group:
     dense: torch.Tensor | None
 
 
+class GGUFEmbeddingMethod:
+    """An embedding table kept as its GGUF blocks (as llama.cpp keeps it): a lookup decodes
+    just the rows it reads, to the values decoding the whole table would give (the decode is
+    per block). For an untied table only: a tied head reads the dense weight."""
+
+    def load(self, layer: nn.Module, raw: GGUFRawTensor) -> None:
+        """This rank's rows of `raw`, copied out of the file's mapping; the dense parameter
+        becomes a placeholder (shape and dtype kept, no memory)."""
+        dense = layer.weight
+        rows = min(dense.shape[0], raw.shape[0] - layer.vocab_start)
+        mine = raw.narrow(0, layer.vocab_start, rows) if layer.tp_size > 1 else raw
+        layer.gguf_table = GGUFRawTensor(mine.data.clone(), mine.ggml_type, tuple(mine.shape))
+        mine.release()
+        placeholder = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
+        layer.weight = nn.Parameter(placeholder, requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        table = layer.gguf_table
+        flat = ids.reshape(-1).clamp_(max=table.shape[0] - 1)  # TP padding rows: masked later
+        rows = table.data.index_select(0, flat)
+        out = dequantize(rows, table.ggml_type, (flat.shape[0], table.shape[1]), layer.weight.dtype)
+        return out.view(*ids.shape, table.shape[1])
+
+
 class GGUFLinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module) -> None:
         # a meta placeholder: named (so the loader finds it), shaped, and holding nothing
