@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 
 def cdiv(a: int, b: int) -> int:
@@ -30,3 +31,19 @@ def release_mapped_pages(address: int, nbytes: int) -> None:
 
 
 _MADV_DONTNEED = 4
+
+
+def mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """(address, nbytes) of this process's mappings of the file `path` (Linux; [] elsewhere)."""
+    real = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                    start, end = (int(a, 16) for a in fields[0].split("-"))
+                    ranges.append((start, end - start))
+    except OSError:
+        return []
+    return ranges

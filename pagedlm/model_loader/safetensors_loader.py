@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from pagedlm.utils import mapped_ranges, release_mapped_pages
+
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     """The checkpoint's shards: from model.safetensors.index.json if present, else a glob."""
@@ -63,8 +65,14 @@ def iterate_safetensors(
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
+                # get_tensor copies out of safetensors' read-only mapping of the file: drop
+                # the pages each copy read, so loading holds one copy of the weights, not two
+                mapping = mapped_ranges(str(path))
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    yield name, f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    for address, nbytes in mapping:
+                        release_mapped_pages(address, nbytes)
+                    yield name, tensor
         except SafetensorError as e:
             raise ValueError(
                 f"{path} is not a valid safetensors file ({e}); it may be truncated or corrupt. "
