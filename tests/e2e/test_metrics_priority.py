@@ -74,8 +74,8 @@ def test_priority_order_on_a_saturated_engine(tiny_qwen2) -> None:
 
 
 def test_priority_refused_under_fcfs(tiny_qwen2) -> None:
-    """vLLM's input processor refuses a non-zero priority unless scheduling_policy='priority'
-    (a priority that would be ignored is an option silently dropped); 0 is the default."""
+    """A non-zero priority is refused unless scheduling_policy='priority' (vLLM 0.32 ignores
+    it silently; an ignored option is an option dropped, docs/compat.md); 0 is the default."""
     llm = LLM(str(tiny_qwen2), dtype="float32", max_model_len=64, max_num_seqs=1)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
