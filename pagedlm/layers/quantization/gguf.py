@@ -139,7 +139,7 @@ class GGUFEmbeddingMethod:
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         table = layer.gguf_table
-        flat = ids.reshape(-1).clamp_(max=table.shape[0] - 1)  # TP padding rows: masked later
+        flat = ids.reshape(-1).clamp(max=table.shape[0] - 1)  # TP padding rows: masked later
         rows = table.data.index_select(0, flat)
         out = dequantize(rows, table.ggml_type, (flat.shape[0], table.shape[1]), layer.weight.dtype)
         return out.view(*ids.shape, table.shape[1])
