@@ -43,6 +43,9 @@ _PLAIN: dict[GGMLQuantizationType, torch.dtype] = {
     _T.BF16: torch.bfloat16,
 }
 
+#: Types stored as plain floats (no blocks to keep: they decode to dense tensors).
+PLAIN_TYPES: frozenset[GGMLQuantizationType] = frozenset(_PLAIN)
+
 #: GGML types :func:`dequantize` handles.
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_PLAIN) | frozenset(BLOCK_DECODERS)
 

@@ -163,7 +163,9 @@ def _keeps_blocks(name: str, tensor: Any, config: Any) -> bool:
         from pagedlm.kernels.gguf_pack import can_pack
 
         return can_pack(tensor.ggml_type, tensor.shape)
-    quantized = tensor.ggml_type not in (0, 1, 30)  # F32, F16, BF16 decode to dense anyway
+    from pagedlm.kernels.gguf_quants import PLAIN_TYPES
+
+    quantized = tensor.ggml_type not in PLAIN_TYPES
     untied = not getattr(config, "tie_word_embeddings", False)
     return name == "model.embed_tokens.weight" and quantized and untied
 
