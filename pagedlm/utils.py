@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
+from typing import Any
 
 
 def cdiv(a: int, b: int) -> int:
@@ -19,11 +21,8 @@ def release_mapped_pages(address: int, nbytes: int) -> None:
     Only for memory that maps a file shared (np.memmap mode "r"): on anonymous memory it
     would zero the data. A no-op where libc has no madvise.
     """
-    if nbytes <= 0:
-        return
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    madvise = _madvise()
+    if nbytes <= 0 or madvise is None:
         return
     page = mmap.PAGESIZE
     start = address // page * page
@@ -31,6 +30,15 @@ def release_mapped_pages(address: int, nbytes: int) -> None:
 
 
 _MADV_DONTNEED = 4
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's madvise (looked up once), or None where there is none."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
 
 
 def mapped_ranges(path: str) -> list[tuple[int, int]]:
