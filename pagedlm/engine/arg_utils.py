@@ -47,7 +47,7 @@ _ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "prefix_caching_hash_algo": ("sha256",),
     "async_scheduling": (None, False),
     "distributed_executor_backend": (None, "uni", "mp", "external_launcher"),
-    "quantization": (None, "gguf", "int8"),
+    "quantization": (None, "gguf", "int8", "compressed-tensors"),
     "compilation_config": (None, 0, {}),
     "model_impl": ("auto", "vllm"),
     "tokenizer_mode": ("auto", "hf", "slow"),  # not vLLM's mistral / custom tokenizers
@@ -222,7 +222,7 @@ class EngineArgs:
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(__import__("torch"), checkpoint_dtype, None)
         dtype = resolve_dtype(self.dtype, checkpoint_dtype)
-        quantization = self.resolve_quantization(resolved.gguf_file is not None)
+        quantization = self.resolve_quantization(resolved.gguf_file is not None, hf_config)
 
         derived = derive_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived
@@ -386,12 +386,13 @@ class EngineArgs:
             model_path=resolved.path,
             hf_config=hf_config,
             gguf_file=resolved.gguf_file,
-            quantization=self.resolve_quantization(resolved.gguf_file is not None),
+            quantization=self.resolve_quantization(resolved.gguf_file is not None, hf_config),
         )
 
-    def resolve_quantization(self, is_gguf: bool) -> str | None:
+    def resolve_quantization(self, is_gguf: bool, hf_config: Any = None) -> str | None:
         """GGUF files default to "gguf" (PAGEDLM_GGUF_DEQUANTIZE=1: dequantized at load
-        instead); "int8" needs a bf16/fp32 checkpoint, "gguf" a GGUF file."""
+        instead); "int8" needs a bf16/fp32 checkpoint, "gguf" a GGUF file. A checkpoint whose
+        config names a quantization method gets that one (vLLM's rule), if pagedlm runs it."""
         if is_gguf:
             if self.quantization == "int8":
                 raise ValueError(
@@ -406,7 +407,30 @@ class EngineArgs:
                 "quantization='gguf' needs a .gguf model file; for a safetensors checkpoint "
                 "use quantization='int8' or None."
             )
-        return self.quantization
+        from pagedlm.layers.quantization import compressed_tensors
+
+        in_checkpoint = compressed_tensors.checkpoint_quant_method(hf_config)
+        if in_checkpoint is None:
+            if self.quantization == compressed_tensors.QUANT_METHOD:
+                raise ValueError(
+                    "quantization='compressed-tensors' but the checkpoint's config has no "
+                    "quantization_config: pass quantization=None or 'int8'."
+                )
+            return self.quantization
+        if self.quantization not in (None, in_checkpoint):
+            raise ValueError(
+                f"the checkpoint is quantized with {in_checkpoint!r} (its config's "
+                f"quantization_config) but quantization={self.quantization!r} was passed: "
+                "pass quantization=None to use the checkpoint's."
+            )
+        if in_checkpoint != compressed_tensors.QUANT_METHOD:
+            raise NotImplementedError(
+                f"checkpoints quantized with {in_checkpoint!r} do not load in pagedlm; it runs "
+                "'compressed-tensors' int8 W8A8 checkpoints, GGUF files, and quantization='int8' "
+                "on bf16/fp32 checkpoints."
+            )
+        compressed_tensors.check_config(hf_config)
+        return in_checkpoint
 
     def create_parallel_config(self, hf_config: Any) -> ParallelConfig:
         """Check that the model shards over `tensor_parallel_size` ranks; pick the executor."""

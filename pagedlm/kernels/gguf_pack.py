@@ -269,6 +269,25 @@ def pack_gguf(
     )
 
 
+def pack_q8(q: torch.Tensor, scales: torch.Tensor) -> PackedGGUFWeight:
+    """Symmetric int8 rows q [N, K] with fp32 scales [N, K/32] (W = scale * q per 32-value
+    block; a per-channel scale repeated over its row's blocks) -> Q8_0's packed layout with
+    fp32 scales: the int8 linear methods' weights, computed by the same kernels."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or tuple(scales.shape) != (n, k // 32) or k % 64:
+        raise ValueError("pack_q8 takes int8 [N, K % 64 == 0] and scales [N, K/32]")
+    tiles = -(-n // TILE_ROWS)
+    qs = torch.empty(tiles, k // 4, 64, dtype=torch.uint8)
+    step = max(1, _ROW_CHUNK_VALUES // k // TILE_ROWS) * TILE_ROWS
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        rows = -(-(r1 - r0) // TILE_ROWS) * TILE_ROWS
+        u = (q[r0:r1].to(torch.int16) + 128).to(torch.uint8)
+        qs[r0 // TILE_ROWS : r0 // TILE_ROWS + rows // TILE_ROWS] = _tiles(_pad_rows(u, rows), 8)[0]
+    packed_scales = _row_tiles(scales.float(), tiles * TILE_ROWS).contiguous()
+    return PackedGGUFWeight(qs, None, packed_scales, None, 8, 32, 128, int(_T.Q8_0), n)
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
 

@@ -9,8 +9,8 @@ bit for bit; its arguments are checked once, when it is built. vLLM's CUDA graph
 part on GPUs.
 
 It applies (`LlamaDecodePlan.supports`) when every linear runs a kernel the plan replays
-(`_linear_kind`: packed GGUF groups, whose GEMV or GEMM writes straight into columns of the
-fused outputs, or bf16 weights blocked for the AVX-512 BF16 small-batch kernel), the C
+(`_linear_kind`: packed groups, GGUF or int8, whose GEMV or GEMM writes straight into columns
+of the fused outputs, or bf16 weights blocked for the AVX-512 BF16 small-batch kernel), the C
 attention backend runs, one dtype holds activations, norms and the KV cache, and tensor
 parallelism is off. The model runner keeps one plan per batch size, up to `max_rows` (64)
 sequences, for decode-only steps without LoRA adapters or speculative decoding; all share one
@@ -36,7 +36,7 @@ from pagedlm.layers.activation import SiluAndMul
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.layernorm import RMSNorm
 from pagedlm.layers.quantization.base import UnquantizedLinearMethod
-from pagedlm.layers.quantization.gguf import GEMV_ROWS, GGUFLinearMethod
+from pagedlm.layers.quantization.gguf import GEMV_ROWS, PackedLinearMethod
 from pagedlm.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -58,8 +58,8 @@ def _linear_kind(linear: nn.Module) -> str | None:
     GEMV / GEMM), "blocked" (a bf16 weight in the AVX-512 BF16 small-batch layout next to its
     prepacked copy: `gemv_bf16_blocked`), or None (a path the plan does not replay)."""
     method = linear.quant_method
-    if isinstance(method, GGUFLinearMethod):
-        return "gguf" if all(g.packed is not None for g in linear.gguf_groups) else None
+    if isinstance(method, PackedLinearMethod):
+        return "gguf" if all(g.packed is not None for g in linear.packed_groups) else None
     w, bias = linear.weight, linear.bias
     blocked = (
         isinstance(method, UnquantizedLinearMethod)
@@ -121,7 +121,7 @@ class LlamaDecodePlan:
         """The most sequences a plan of `model` replays: MAX_ROWS, or GEMV_ROWS where packed
         GGUF layers would take a dequantized float GEMM past that (no AVX-512 VNNI)."""
         lib = kc.cpu_kernels()
-        has_gguf = any(isinstance(m.quant_method, GGUFLinearMethod)
+        has_gguf = any(isinstance(m.quant_method, PackedLinearMethod)
                        for m in model.modules() if hasattr(m, "quant_method"))  # fmt: skip
         gemm = lib is not None and lib.gguf_gemm_compiled()
         return MAX_ROWS if gemm or not has_gguf else GEMV_ROWS
@@ -186,8 +186,8 @@ class LlamaDecodePlan:
             watch(attn.rotary_emb._buffers, "cos_cache", "sin_cache")
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 watch(linear._parameters, "weight", "bias")
-                watch(linear.__dict__, "quant_method", "gguf_groups", "packed_weight")
-                for group in linear.__dict__.get("gguf_groups", ()):
+                watch(linear.__dict__, "quant_method", "packed_groups", "packed_weight")
+                for group in linear.__dict__.get("packed_groups", ()):
                     watch(group.__dict__, "packed")
         watch(model.model.norm._parameters, "weight")
         return out
@@ -215,7 +215,7 @@ class LlamaDecodePlan:
             self.calls.append((lib.gemv_bf16_blocked, args, _OK_NONZERO))
             return
         gemv = self.rows <= GEMV_ROWS  # as gguf_linear chooses
-        for g in linear.gguf_groups:
+        for g in linear.packed_groups:
             b = None if bias is None else bias[g.offset : g.offset + g.rows].to(self.dtype)
             if b is not None:
                 self._biases.append(b)

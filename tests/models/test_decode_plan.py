@@ -22,13 +22,14 @@ def _runner(llm: LLM):
     return llm.llm_engine.model_executor.driver_worker.model_runner
 
 
-def _generate(model, tokenizer, max_num_seqs: int, dtype: str) -> list:
+def _generate(model, tokenizer, max_num_seqs: int, dtype: str, **kwargs) -> list:
     llm = LLM(
         str(model),
         tokenizer=str(tokenizer),
         max_model_len=128,
         max_num_seqs=max_num_seqs,
         dtype=dtype,
+        **kwargs,
     )
     try:
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
@@ -41,7 +42,7 @@ def _generate(model, tokenizer, max_num_seqs: int, dtype: str) -> list:
 
 @pytest.mark.parametrize(
     "source,dtype",
-    [("gguf", "float32"), ("gguf", "bfloat16"), ("dense", "bfloat16")],
+    [("gguf", "float32"), ("gguf", "bfloat16"), ("dense", "bfloat16"), ("int8", "bfloat16")],
 )
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 6])
 def test_decode_plan_equals_modules(
@@ -55,6 +56,7 @@ def test_decode_plan_equals_modules(
     if source == "dense" and small_batch_linear_isa() != "avx512_bf16":
         pytest.skip("bf16 weights are blocked for the small-batch kernel on AVX-512 BF16 only")
     model = mixed_gguf if source == "gguf" else tiny_llama
+    kwargs = {"quantization": "int8"} if source == "int8" else {}
     rows_seen: list[int] = []
     run = LlamaDecodePlan.run
 
@@ -63,11 +65,11 @@ def test_decode_plan_equals_modules(
         return run(self, *args)
 
     monkeypatch.setattr(LlamaDecodePlan, "run", counting_run)
-    with_plan = _generate(model, tiny_llama, max_num_seqs, dtype)
+    with_plan = _generate(model, tiny_llama, max_num_seqs, dtype, **kwargs)
     assert rows_seen and max(rows_seen) == max_num_seqs  # the plan ran, at every batch size
     rows_seen.clear()
     monkeypatch.setenv("PAGEDLM_DISABLE_DECODE_PLAN", "1")
-    without = _generate(model, tiny_llama, max_num_seqs, dtype)
+    without = _generate(model, tiny_llama, max_num_seqs, dtype, **kwargs)
     assert not rows_seen
     assert with_plan == without
 

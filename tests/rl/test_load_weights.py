@@ -204,7 +204,7 @@ def test_partial_update_in_bf16_through_repacked_weights(tiny_qwen2, tmp_path):
 def test_quantized_layers_refuse_updates(tiny_qwen2):
     llm = LLM(str(tiny_qwen2), **dict(ENGINE, quantization="int8"))
     name = "model.layers.0.self_attn.q_proj.weight"
-    with pytest.raises(ValueError, match="held quantized in this engine \\(Int8WeightOnly"):
+    with pytest.raises(ValueError, match="held quantized in this engine \\(Int8LinearMethod"):
         llm.apply_model(lambda m: m.load_weights([(name, torch.zeros(64, 64))]))
 
 

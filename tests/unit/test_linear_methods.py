@@ -1,5 +1,6 @@
-"""Linear methods (layers/quantization): GGUF blocks kept packed and int8 weight-only, each
-against dequantize-then-matmul; the method chosen by `set_quantization`; bad values refused."""
+"""Linear methods (layers/quantization): GGUF blocks kept packed and int8 W8A8 (quantized at
+load, or a compressed-tensors checkpoint's), each against dequantize-then-matmul; the method
+chosen by `set_quantization` or the checkpoint's config; bad values refused."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pagedlm.kernels.gguf_pack import quantize_activations
+from pagedlm.kernels.gguf_pack import dequantize_packed, quantize_activations
 from pagedlm.kernels.gguf_quants import dequantize
 from pagedlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from pagedlm.layers.quantization import (
@@ -16,7 +17,11 @@ from pagedlm.layers.quantization import (
     set_quantization,
 )
 from pagedlm.layers.quantization.gguf import GGUFLinearMethod, GGUFRawTensor
-from pagedlm.layers.quantization.int8 import Int8WeightOnlyLinearMethod, quantize_per_channel
+from pagedlm.layers.quantization.int8 import (
+    CompressedTensorsW8A8LinearMethod,
+    Int8LinearMethod,
+    quantize_per_channel,
+)
 from tests.unit.test_gguf_matmul import _raw
 
 T = GGMLQuantizationType
@@ -58,7 +63,7 @@ def test_gguf_qkv_with_mixed_types_and_bias(rows) -> None:
         layer.bias.weight_loader(layer.bias, bias[off : off + size], sid)
     layer.process_weights_after_loading()
     assert layer.weight is None
-    assert [(g.offset, g.rows, g.packed.ggml_type) for g in layer.gguf_groups] == [
+    assert [(g.offset, g.rows, g.packed.ggml_type) for g in layer.packed_groups] == [
         (0, 96, T.Q5_0),
         (96, 32, T.Q8_0),
     ]
@@ -80,7 +85,7 @@ def test_gguf_dense_shards_and_all_dense_layers() -> None:
     mixed.weight.weight_loader(mixed.weight, gate, 0)
     mixed.weight.weight_loader(mixed.weight, up, 1)
     mixed.process_weights_after_loading()
-    assert [g.packed is None for g in mixed.gguf_groups] == [True, False]
+    assert [g.packed is None for g in mixed.packed_groups] == [True, False]
     x = torch.randn(3, 64)
     w = torch.cat([gate, _dense(up)])
     assert ((mixed(x).double() - x.double() @ w.double().T).abs() <= _quant_bound(x, w)).all()
@@ -113,32 +118,84 @@ def test_gguf_raw_tensor_slices_whole_blocks_only() -> None:
         GGUFRawTensor(torch.zeros(8, 3 * size, dtype=torch.uint8), T.Q8_0, (8, 128))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_weight_only_equals_its_dequantized_matmul(dtype) -> None:
-    with set_quantization("int8"), torch.device("cpu"):
+def _int8_layer(method: str, dtype: torch.dtype, k: int = 128, n: int = 48):
+    with set_quantization(method), torch.device("cpu"):
         torch.set_default_dtype(dtype)
         try:
-            layer = ReplicatedLinear(96, 48, bias=True)
+            return ReplicatedLinear(k, n, bias=True)
         finally:
             torch.set_default_dtype(torch.float32)
-    assert isinstance(layer.quant_method, Int8WeightOnlyLinearMethod)
-    w = torch.randn(48, 96)
+
+
+def _check_int8(layer, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """layer(x) = x (q * scale)^T + bias within the activations' int8 rounding (per 32 values
+    in the GEMV, per 128 in the GEMM; the bound of the coarser), for decode and prefill rows."""
+    wq = q.double() * scale.double()[:, None]
+    for rows in (1, 3, 37):
+        x = torch.randn(rows, q.shape[1]).to(dtype)
+        want = x.double() @ wq.T + layer.bias.double()
+        _, d = quantize_activations(x.float(), 128)
+        step = d.double().repeat_interleave(128, dim=1) / 2
+        bound = step @ wq.abs().T + 1e-4 + (2e-2 * want.abs() if dtype == torch.bfloat16 else 0)
+        assert ((layer(x).double() - want).abs() <= bound).all(), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_w8a8_equals_its_dequantized_matmul(dtype) -> None:
+    layer = _int8_layer("int8", dtype)
+    assert isinstance(layer.quant_method, Int8LinearMethod)
+    w = torch.randn(48, 128)
     w[3] = 0  # an all-zero channel
     layer.weight.weight_loader(layer.weight, w)
     layer.bias.weight_loader(layer.bias, torch.randn(48))
     layer.process_weights_after_loading()
-    assert layer.weight is None and layer.int8_weight.dtype == torch.int8
+    (group,) = layer.packed_groups
+    assert layer.weight is None and group.packed.qs.dtype == torch.uint8
     q, scale = quantize_per_channel(w.to(dtype))
     assert (q.float() * scale[:, None] - w.to(dtype).float()).abs().max() <= scale.max() / 2
-    x = torch.randn(7, 96).to(dtype)
-    wq = q.float() * scale.to(dtype).float()[:, None]
-    want = F.linear(x.float(), wq, layer.bias.float())
-    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
-    torch.testing.assert_close(layer(x).float(), want, **tol)
+    torch.testing.assert_close(  # the packed copy holds q and the scales exactly
+        dequantize_packed(group.packed), q.float() * scale[:, None], atol=0, rtol=0
+    )
+    _check_int8(layer, q, scale, dtype)
+
+
+def test_int8_off_the_kernel_shapes_keeps_the_dequantized_weight() -> None:
+    layer = _int8_layer("int8", torch.float32, k=96)  # K % 64 != 0: no packed layout
+    w = torch.randn(48, 96)
+    layer.weight.weight_loader(layer.weight, w)
+    layer.bias.weight_loader(layer.bias, torch.randn(48))
+    layer.process_weights_after_loading()
+    assert layer.packed_groups[0].packed is None
+    q, scale = quantize_per_channel(w)
+    x = torch.randn(5, 96)
+    want = F.linear(x, q.float() * scale[:, None], layer.bias)
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_compressed_tensors_fused_layer_loads_int8_shards_and_scales() -> None:
+    """q/k/v as a compressed-tensors checkpoint holds them: int8 weights and [N, 1] scales,
+    each loaded into its rows of the fused layer."""
+    with set_quantization("compressed-tensors"):
+        layer = QKVParallelLinear(128, 16, 4, 2, bias=True)
+    assert isinstance(layer.quant_method, CompressedTensorsW8A8LinearMethod)
+    qs, scales = {}, {}
+    for sid, rows in {"q": 64, "k": 32, "v": 32}.items():
+        qs[sid], s = quantize_per_channel(torch.randn(rows, 128))
+        scales[sid] = s[:, None].to(torch.bfloat16)  # as llm-compressor writes it
+        layer.weight.weight_loader(layer.weight, qs[sid], sid)
+        layer.weight_scale.weight_loader(layer.weight_scale, scales[sid], sid)
+        layer.bias.weight_loader(layer.bias, torch.randn(rows), sid)
+    layer.process_weights_after_loading()
+    assert not hasattr(layer, "weight_scale") and layer.weight is None
+    q = torch.cat([qs[s] for s in "qkv"])
+    scale = torch.cat([scales[s].float().reshape(-1) for s in "qkv"])
+    _check_int8(layer, q, scale, torch.float32)
 
 
 def test_unknown_quantization_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="'awq' is not supported; supported: gguf, int8"):
+    with pytest.raises(
+        ValueError, match="'awq' is not supported; supported: gguf, int8, compressed-tensors"
+    ):
         with set_quantization("awq"):
             pass
 
@@ -158,6 +215,51 @@ def test_engine_args_quantization_rules(monkeypatch) -> None:
     monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", "1")
     assert EngineArgs().resolve_quantization(is_gguf=True) is None
     assert EngineArgs(quantization="gguf").resolve_quantization(is_gguf=True) == "gguf"
+
+
+def test_checkpoint_quantization_config_rules() -> None:
+    """vLLM's rule: a checkpoint's quantization_config names its method; a different
+    `quantization` is an error; methods and compressed-tensors schemes pagedlm cannot run
+    are refused by name."""
+    import copy
+    from types import SimpleNamespace
+
+    from pagedlm.engine.arg_utils import EngineArgs
+    from scripts.make_w8a8_checkpoint import QUANTIZATION_CONFIG
+
+    def config(path: str = "", value: object = None):
+        """The W8A8 config with `path` ("a.b": a dotted path in it) set to `value`."""
+        qc = copy.deepcopy(QUANTIZATION_CONFIG)
+        if path:
+            *parents, leaf = path.split(".")
+            node = qc
+            for part in parents:
+                node = node[part]
+            node[leaf] = value
+        return SimpleNamespace(quantization_config=qc)
+
+    resolve = EngineArgs().resolve_quantization
+    assert resolve(False, config()) == "compressed-tensors"
+    assert EngineArgs(quantization="compressed-tensors").resolve_quantization(False, config())
+    with pytest.raises(ValueError, match="quantized with 'compressed-tensors'.*'int8' was"):
+        EngineArgs(quantization="int8").resolve_quantization(False, config())
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        EngineArgs(quantization="compressed-tensors").resolve_quantization(False, object())
+    group = "config_groups.group_0."
+    refused = {
+        group + "weights.strategy": ("group", "weights.strategy='group'"),
+        group + "weights.num_bits": (4, "weights.num_bits=4"),
+        group + "input_activations.dynamic": (False, "input_activations.dynamic=False"),
+        group + "input_activations": (None, "no input_activations"),
+        "format": ("pack-quantized", "format 'pack-quantized'"),
+        "ignore": (["lm_head", "re:.*gate$"], "ignore entries"),
+    }
+    for path, (value, message) in refused.items():
+        with pytest.raises(NotImplementedError, match=message):
+            resolve(False, config(path, value))
+    awq = SimpleNamespace(quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(NotImplementedError, match="quantized with 'awq' do not load"):
+        resolve(False, awq)
 
 
 def test_without_c_kernels_the_torch_twin_computes(monkeypatch) -> None:

@@ -4,7 +4,9 @@ loader sets the method for the whole model with `set_quantization` around constr
 
 - None: `UnquantizedLinearMethod` (dense, oneDNN-prepacked, small-batch kernels).
 - "gguf": `GGUFLinearMethod` -- GGUF blocks kept packed, integer kernels (GGUF files only).
-- "int8": `Int8WeightOnlyLinearMethod` -- int8 weights with per-channel scales.
+- "int8": `Int8LinearMethod` -- W8A8: a dense checkpoint quantized per channel at load.
+- "compressed-tensors": `CompressedTensorsW8A8LinearMethod` -- W8A8 int8 checkpoints
+  (`compressed_tensors.parse_config` says which such checkpoints load).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from contextlib import contextmanager
 
 from pagedlm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
 
-QUANTIZATION_METHODS = ("gguf", "int8")
+QUANTIZATION_METHODS = ("gguf", "int8", "compressed-tensors")
 _current: str | None = None
 
 
@@ -45,9 +47,13 @@ def get_linear_method() -> LinearMethodBase:
 
         return GGUFLinearMethod()
     if _current == "int8":
-        from pagedlm.layers.quantization.int8 import Int8WeightOnlyLinearMethod
+        from pagedlm.layers.quantization.int8 import Int8LinearMethod
 
-        return Int8WeightOnlyLinearMethod()
+        return Int8LinearMethod()
+    if _current == "compressed-tensors":
+        from pagedlm.layers.quantization.int8 import CompressedTensorsW8A8LinearMethod
+
+        return CompressedTensorsW8A8LinearMethod()
     return UnquantizedLinearMethod()
 
 

@@ -111,7 +111,7 @@ class _ShardSink:
 
 
 @dataclass
-class _Group:
+class PackedGroup:
     """Output rows [offset, offset + rows) computed from one packed weight or a dense one."""
 
     offset: int
@@ -145,7 +145,26 @@ class GGUFEmbeddingMethod:
         return out.view(*ids.shape, table.shape[1])
 
 
-class GGUFLinearMethod(LinearMethodBase):
+class PackedLinearMethod(LinearMethodBase):
+    """Computes from `layer.packed_groups` (set after loading): output rows each from a
+    packed weight (`gguf_linear`) or a dense one. GGUF files and the int8 methods."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        outs = []
+        for g in layer.packed_groups:
+            b = None if bias is None else bias[g.offset : g.offset + g.rows]
+            if g.packed is not None:
+                outs.append(gguf_linear(x2, g.packed, b))
+            else:
+                outs.append(F.linear(x2, g.dense, b))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class GGUFLinearMethod(PackedLinearMethod):
     def create_weights(self, layer: nn.Module) -> None:
         # a meta placeholder: named (so the loader finds it), shaped, and holding nothing
         placeholder = torch.empty(layer.output_size, layer.input_size, device="meta")
@@ -173,27 +192,13 @@ class GGUFLinearMethod(LinearMethodBase):
             layer.quant_method.process_weights_after_loading(layer)
             return
         layer.weight = None
-        layer.gguf_groups = groups
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        outs = []
-        for g in layer.gguf_groups:
-            b = None if bias is None else bias[g.offset : g.offset + g.rows]
-            if g.packed is not None:
-                outs.append(gguf_linear(x2, g.packed, b))
-            else:
-                outs.append(F.linear(x2, g.dense, b))
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        layer.packed_groups = groups
 
 
-def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[_Group]:
+def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[PackedGroup]:
     """Shards (offset, tensor) sorted by offset -> groups; adjacent shards of one GGML type
     become one packed weight. Every output row must be covered exactly once."""
-    groups: list[_Group] = []
+    groups: list[PackedGroup] = []
     pending: list[tuple[int, GGUFRawTensor]] = []
 
     def flush() -> None:
@@ -203,7 +208,7 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[_Grou
         rows = sum(t.shape[0] for _, t in pending)
         data = torch.cat([t.data for _, t in pending]) if len(pending) > 1 else first.data
         packed = pack_gguf(data, first.ggml_type, (rows, first.shape[1]))
-        groups.append(_Group(offset, rows, packed, None))
+        groups.append(PackedGroup(offset, rows, packed, None))
         for _, raw in pending:
             raw.release()
         pending.clear()
@@ -224,12 +229,12 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[_Grou
         else:
             flush()
             dense = tensor.to(dtype).contiguous()
-            groups.append(_Group(offset, dense.shape[0], None, dense))
+            groups.append(PackedGroup(offset, dense.shape[0], None, dense))
         at = offset + tensor.shape[0]
     flush()
     if at != rows:
         raise ValueError(f"GGUF layer of {rows} rows: rows {at}..{rows} were not loaded")
-    merged: list[_Group] = []  # adjacent dense groups into one
+    merged: list[PackedGroup] = []  # adjacent dense groups into one
     for g in groups:
         if merged and g.dense is not None and merged[-1].dense is not None:
             last = merged[-1]

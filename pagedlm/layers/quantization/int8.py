@@ -1,17 +1,27 @@
-"""Int8 weight-only linear method: per-output-channel symmetric int8, for bf16/fp32 checkpoints.
+"""Int8 W8A8 linear methods: int8 weights with one scale per output channel, activations
+quantized to int8 in the kernels, integer dot products (AVX-512 VNNI, or portable C).
 
-After the dense weight is loaded: scale[n] = max_k |W[n, k]| / 127, q = round(W / scale)
-(clamped to [-127, 127]); y = x (q * scale)^T through torch's `_weight_int8pack_mm` (x in
-bf16/fp32), or dequantize-then-matmul for other dtypes. The dense weight is dropped.
+- `Int8LinearMethod` (quantization="int8"): a bf16/fp32 checkpoint's dense weight quantized at
+  load: scale[n] = max_k |W[n, k]| / 127, q = round(W / scale) clamped to [-127, 127].
+- `CompressedTensorsW8A8LinearMethod` (quantization="compressed-tensors"): a checkpoint that
+  holds q (`weight`, int8) and the scales (`weight_scale`, [N, 1]) already.
+
+Both keep only the packed copy (`kernels.gguf_pack.pack_q8`: Q8_0's tile layout, fp32 scales)
+and compute as packed GGUF does (`PackedLinearMethod`): the activations are quantized
+dynamically per 32 values (GEMV, decode-sized batches) or 128 (GEMM), finer than vLLM's per
+token. Where K is not a multiple of 64 the kernels do not apply: the layer keeps the
+dequantized weight (q * scale) and computes with F.linear.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedlm.layers.quantization.base import LinearMethodBase, create_dense_weight
+from pagedlm.kernels.gguf_pack import can_pack, pack_q8
+from pagedlm.layers.quantization.base import create_dense_weight
+from pagedlm.layers.quantization.gguf import PackedGroup, PackedLinearMethod
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,26 +33,49 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-class Int8WeightOnlyLinearMethod(LinearMethodBase):
+class _Int8Method(PackedLinearMethod):
+    """After loading `layer.packed_groups` is one group of all rows; `layer.weight` is None."""
+
+    def _keep(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+        n, k = q.shape
+        scale = scale.float().reshape(n, 1)
+        if can_pack(GGMLQuantizationType.Q8_0, (n, k)):
+            group = PackedGroup(0, n, pack_q8(q, scale.expand(n, k // 32)), None)
+        else:
+            group = PackedGroup(0, n, None, (q.float() * scale).to(layer.params_dtype))
+        layer.weight = None
+        layer.packed_groups = [group]
+
+
+class Int8LinearMethod(_Int8Method):
     def create_weights(self, layer: nn.Module) -> None:
         create_dense_weight(layer)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale = quantize_per_channel(layer.weight.data)
-        layer.weight = None
-        layer.int8_weight = q
-        layer.int8_scales = scale.to(layer.params_dtype)
+        self._keep(layer, *quantize_per_channel(layer.weight.data))
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype in (torch.bfloat16, torch.float32):
-            scales = layer.int8_scales.to(x2.dtype)
-            y = torch._weight_int8pack_mm(x2.contiguous(), layer.int8_weight, scales)
-            if bias is not None:
-                y = y + bias
-        else:
-            w = layer.int8_weight.to(x2.dtype) * layer.int8_scales.to(x2.dtype)[:, None]
-            y = F.linear(x2, w, bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+
+class CompressedTensorsW8A8LinearMethod(_Int8Method):
+    """`weight` int8 [N, K] and `weight_scale` [N] (the checkpoint's [N, 1]), each loaded
+    through the layer's tensor-parallel `weight_loader` (fused shards: their rows)."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        weight = torch.empty(layer.output_size, layer.input_size, dtype=torch.int8)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+        scale = torch.empty(layer.output_size, dtype=torch.float32)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+        def scale_loader(param, loaded_weight, shard_id=None) -> None:
+            loaded = loaded_weight.reshape(-1)  # [N, 1] -> [N]: rows, never columns
+            if shard_id is None:
+                layer.weight_loader(param, loaded)
+            else:
+                layer.weight_loader(param, loaded, shard_id)
+
+        layer.weight_scale.weight_loader = scale_loader
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, scale = layer.weight.data, layer.weight_scale.data
+        del layer.weight_scale
+        self._keep(layer, q, scale)
