@@ -48,6 +48,16 @@ def default_gguf() -> str:
     return str(resolve_packaged_model("qwen2.5-coder-0.5b-instruct"))
 
 
+def w8a8_checkpoint(model: str) -> str:
+    """`model` as a compressed-tensors int8 W8A8 checkpoint (scripts/make_w8a8_checkpoint.py),
+    written once beside it as `<model>-w8a8`."""
+    out = Path(model.rstrip("/") + "-w8a8")
+    if not (out / "config.json").is_file():
+        script = str(ROOT / "scripts" / "make_w8a8_checkpoint.py")
+        subprocess.run([sys.executable, script, model, str(out)], check=True)
+    return str(out)
+
+
 def find_tcmalloc() -> str | None:
     """The system's tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4), or None."""
     for lib in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
@@ -173,6 +183,8 @@ def run_backends(
     spec = {**spec, "tensor_parallel_size": args.tensor_parallel_size}
     if {"pagedlm-gguf", "llamacpp"} & set(backends):
         spec["gguf"] = args.gguf or default_gguf()
+    if any(LLM_BACKENDS.get(b, (None, None))[1] == "w8a8_model" for b in backends):
+        spec["w8a8_model"] = w8a8_checkpoint(spec["model"])
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
@@ -191,14 +203,28 @@ def run_worker(workers: dict, backend: str, spec_path: str) -> None:
     print(json.dumps(result))
 
 
+# The LLM-API backends: name -> (engine, the spec's key of the model it runs, LLM kwargs).
+LLM_BACKENDS: dict[str, tuple[str, str, dict]] = {
+    "pagedlm": ("pagedlm", "model", {}),
+    "pagedlm-gguf": ("pagedlm", "gguf", {}),  # the GGUF file, weights kept packed
+    "pagedlm-int8": ("pagedlm", "model", {"quantization": "int8"}),  # W8A8 quantized at load
+    "pagedlm-w8a8": ("pagedlm", "w8a8_model", {}),  # the compressed-tensors checkpoint
+    "vllm": ("vllm", "model", {}),
+    "vllm-w8a8": ("vllm", "w8a8_model", {}),
+}
+
+
 def make_llm(backend: str, spec: dict, **kwargs):
-    """(LLM instance, SamplingParams class) for the pagedlm or vllm backend."""
-    if backend == "vllm":
+    """(LLM instance, SamplingParams class) for one of `LLM_BACKENDS`."""
+    engine, model_key, extra = LLM_BACKENDS[backend]
+    model = spec[model_key]
+    kwargs.update(extra)
+    if engine == "vllm":
         from vllm import LLM, SamplingParams
 
         kwargs.pop("enable_prefix_caching", None)
         llm = LLM(
-            spec["model"],
+            model,
             max_model_len=spec["max_model_len"],
             dtype="bfloat16",
             gpu_memory_utilization=0.4,
@@ -211,7 +237,7 @@ def make_llm(backend: str, spec: dict, **kwargs):
     from pagedlm import LLM, SamplingParams
 
     llm = LLM(
-        spec["model"],
+        model,
         max_model_len=spec["max_model_len"],
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         **kwargs,

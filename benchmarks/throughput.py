@@ -12,20 +12,30 @@ with the prefix cache off), `long` (8 prompts x 4096 in / 64 out) and `long-sing
 `--kv-cache-dtype fp8` runs pagedlm (and vLLM) with an fp8 KV cache. All requests use greedy
 decoding with ignore_eos, so every backend produces exactly the requested number of tokens.
 Backend `pagedlm-gguf` runs the packaged GGUF file itself (`--gguf` for another) with its
-weights kept packed. Prints a table with ratios to pagedlm; `--rounds N` runs the backends N
-times in turns and shows each one's median round.
+weights kept packed; `pagedlm-int8` the model with quantization="int8"; `pagedlm-w8a8` and
+`vllm-w8a8` its compressed-tensors int8 copy (written once beside it, see common.py). Prints
+a table with ratios to pagedlm; `--rounds N` runs the backends N times in turns and shows each
+one's median round.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
 import time
 from pathlib import Path
 
-from common import add_common_args, make_llm, model_and_vocab, run_backends, run_worker
+from common import (
+    LLM_BACKENDS,
+    add_common_args,
+    make_llm,
+    model_and_vocab,
+    run_backends,
+    run_worker,
+)
 
 
 # ------------------------------------------------------------------ workloads
@@ -125,12 +135,9 @@ def run_transformers(spec: dict) -> dict:
 
 
 WORKERS = {
-    "pagedlm": lambda spec: run_llm_api("pagedlm", spec),
+    **{name: functools.partial(run_llm_api, name) for name in LLM_BACKENDS},
     "pagedlm-nocache": lambda spec: run_llm_api("pagedlm", spec, prefix_caching=False),
-    # the packaged GGUF file itself, weights kept packed (quantization="gguf", its default)
-    "pagedlm-gguf": lambda spec: run_llm_api("pagedlm", {**spec, "model": spec["gguf"]}),
     "transformers": run_transformers,
-    "vllm": lambda spec: run_llm_api("vllm", spec),
 }
 
 

@@ -160,8 +160,9 @@ static inline __attribute__((always_inline)) void tile_dots(const QWeight* w, in
       default: tile_dots(w, t, a, m0, 1, BITS, G, MINS, KIND, acc);                           \
     }                                                                                         \
   }
-// the layouts of the GGUF types (gguf_pack.py); others take the portable path
+// the layouts of the GGUF types and pack_q8 (gguf_pack.py); others take the portable path
 TILE_DOTS_FOR(q8_0, 8, 32, 0, SCALES_F16)
+TILE_DOTS_FOR(q8_f32, 8, 32, 0, SCALES_F32)  // the int8 linear methods' per-channel scales
 TILE_DOTS_FOR(q4_0, 4, 32, 0, SCALES_F16)
 TILE_DOTS_FOR(q5_0, 5, 32, 0, SCALES_F16)
 TILE_DOTS_FOR(q4_1, 4, 32, 1, SCALES_F16)
@@ -177,6 +178,7 @@ static TileDots tile_kernel(const QWeight* w) {
   const int key = w->bits * 10000 + w->group * 100 + (w->mins != NULL) * 10 + w->kind;
   switch (key) {
     case 83201: return tile_dots_q8_0;
+    case 83200: return tile_dots_q8_f32;
     case 43201: return tile_dots_q4_0;
     case 53201: return tile_dots_q5_0;
     case 43211: return tile_dots_q4_1;
