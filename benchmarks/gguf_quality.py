@@ -1,7 +1,13 @@
-"""Packed GGUF (quantization="gguf", integer kernels) against the dequantized bf16 path on the
-same file: greedy agreement over 10 prompts, perplexity on a fixed text, peak RSS.
+"""Quantized paths against the bf16 path on the same weights: greedy agreement over 10
+prompts, perplexity on a fixed text, peak RSS.
 
-    .venv/bin/python benchmarks/gguf_quality.py [--model qwen2.5-coder-0.5b-instruct]
+    .venv/bin/python benchmarks/gguf_quality.py [--model qwen2.5-coder-0.5b-instruct] \
+        [--modes gguf,fp32,int8,w8a8]
+
+Modes: `gguf` the packed GGUF file (quantization="gguf", integer kernels), `fp32` it
+dequantized in fp32; `int8` its weights as a bf16 Hugging Face directory (scripts/gguf_to_hf.py,
+the weights `bf16` runs) with quantization="int8"; `w8a8` that directory as a compressed-tensors
+W8A8 checkpoint (scripts/make_w8a8_checkpoint.py).
 
 Each path runs in its own process (PAGEDLM_GGUF_DEQUANTIZE=1 for the dequantized ones), so peak
 RSS is its own. Agreement is reported two ways: identical free-running completions (one early
@@ -49,7 +55,9 @@ def worker(model: str, mode: str, out: str, reference: str | None) -> None:
     from pagedlm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, max_model_len=4096, seed=0, dtype="float32" if mode == "fp32" else "auto")
+    kwargs = {"quantization": "int8"} if mode == "int8" else {}
+    dtype = "float32" if mode == "fp32" else "auto"
+    llm = LLM(model, max_model_len=4096, seed=0, dtype=dtype, **kwargs)
     load_s = time.perf_counter() - start
     tok = llm.get_tokenizer()
     chats = [
@@ -99,16 +107,28 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--reference", help=argparse.SUPPRESS)
-    ap.add_argument("--json", help="also write both results here")
+    ap.add_argument("--modes", default="gguf,fp32", help="compared with bf16: gguf,fp32,int8,w8a8")
+    ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.worker:
         worker(args.model, args.worker, args.out, args.reference)
         return
+    modes = args.modes.split(",")
+    models = dict.fromkeys(("bf16", "gguf", "fp32"), args.model)
+    if {"int8", "w8a8"} & set(modes):
+        sys.path.insert(0, str(Path(__file__).parent))
+        from common import default_model, w8a8_checkpoint
+
+        if args.model != "qwen2.5-coder-0.5b-instruct":
+            raise SystemExit("--modes int8,w8a8 run the default model's weights only")
+        models["int8"] = default_model()
+        models["w8a8"] = w8a8_checkpoint(models["int8"])
     results = {}
-    for mode in ("bf16", "gguf", "fp32"):  # bf16 first: its completions are the reference
+    for mode in ("bf16", *modes):  # bf16 first: its completions are the reference
         env = dict(os.environ, PAGEDLM_GGUF_DEQUANTIZE="0" if mode == "gguf" else "1")
         out = f"/tmp/pagedlm_gguf_quality_{mode}_{os.getpid()}.json"
-        cmd = [sys.executable, __file__, "--worker", mode, "--out", out, "--model", args.model]
+        cmd = [sys.executable, __file__, "--worker", mode, "--out", out]
+        cmd += ["--model", models[mode]]
         if mode != "bf16":
             cmd += ["--reference", f"/tmp/pagedlm_gguf_quality_bf16_{os.getpid()}.json"]
         subprocess.run(cmd, env=env, check=True)
@@ -116,7 +136,7 @@ def main() -> None:
     for mode in results:
         Path(f"/tmp/pagedlm_gguf_quality_{mode}_{os.getpid()}.json").unlink()
     b = results["bf16"]
-    for mode in ("gguf", "fp32"):
+    for mode in modes:
         q = results[mode]
         same = sum(x == y for x, y in zip(q["tokens"], b["tokens"], strict=True))
         prefix = [
@@ -139,16 +159,15 @@ def main() -> None:
             f"  perplexity ({q['ppl_tokens']} tokens): {mode} {q['ppl']:.4f}, bf16 "
             f"{b['ppl']:.4f} ({rel:+.2%})"
         )
-    q = results["gguf"]
-    print(
-        f"peak RSS MB after load + generate: gguf {q['peak_rss_mb_generate']:.0f}, bf16 "
-        f"{b['peak_rss_mb_generate']:.0f}; with the perplexity pass (its logits): gguf "
-        f"{q['peak_rss_mb']:.0f}, bf16 {b['peak_rss_mb']:.0f}; "
-        f"load s: gguf {q['load_s']:.1f}, bf16 {b['load_s']:.1f}"
-    )
-    for i, (x, y) in enumerate(zip(q["texts"], b["texts"], strict=True)):
-        if x != y:
-            print(f"--- prompt {i}\n  gguf: {x!r}\n  bf16: {y!r}")
+    for mode, q in results.items():
+        print(
+            f"{mode}: peak RSS MB after load + generate {q['peak_rss_mb_generate']:.0f}, with "
+            f"the perplexity pass (its logits) {q['peak_rss_mb']:.0f}; load {q['load_s']:.1f} s"
+        )
+    for mode in modes:
+        for i, (x, y) in enumerate(zip(results[mode]["texts"], b["texts"], strict=True)):
+            if x != y:
+                print(f"--- prompt {i}\n  {mode}: {x!r}\n  bf16: {y!r}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -5,6 +5,9 @@
 - `gguf_gemm`: the same product for larger batches (prefill), an integer GEMM on weight tiles
   unpacked to int8 in a per-thread scratch (AVX-512 VNNI only); on K-quants the activations
   are quantized per 256 values (ggml's Q8_K) and the sub-blocks combine in int32.
+- `int8_gemm_amx`: the GEMM of per-channel int8 weights (`pack_q8`) on AMX-INT8, activations
+  quantized per 128 values (`amx_act_block`), each block's dots summed in int32 tiles
+  (csrc/int8_gemm_amx.c); `gguf_gemm` takes it for those weights where AMX runs.
 - `gguf_dequantize_rows`: a tile of W rows as bf16/fp32, for prefill GEMMs on oneDNN.
 - `quantize_rows_q8`: the kernels' activation quantization alone (for the tests).
 
@@ -169,28 +172,63 @@ declare("gguf_gemm_compiled", [], _int)
 declare("gguf_gemm", [_ptr] * 9 + [_i64] * 5 + [_int] * 6, _int)
 
 
+declare("int8_gemm_amx_supported", [], _int)
+# x, qs, channel scales, bias, y, ldy, M, N, K, act_block, bf16, num_threads -> 1 if computed
+declare("int8_gemm_amx", [_ptr] * 5 + [_i64] * 5 + [_int] * 2, _int)
+
+
+def amx_act_block(k: int) -> int:
+    """Values per activation scale in `int8_gemm_amx`: 128 (as the VNNI GEMM; per token costs
+    +0.5% perplexity on the default model), or 64 where K is not a multiple of 128."""
+    return 128 if k % 128 == 0 else 64
+
+
+def _takes_amx(w: PackedGGUFWeight, amx: bool | None) -> bool:
+    """Whether the batched product of `w` runs `int8_gemm_amx` (amx=False: never; tests)."""
+    if w.channel_scales is None or amx is False:
+        return False
+    lib = cpu_kernels()
+    return lib is not None and bool(lib.int8_gemm_amx_supported())
+
+
 def gemm_args(
     x: torch.Tensor,
     w: PackedGGUFWeight,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, tuple]:
-    """(y, the whole checked argument tuple of the C `gguf_gemm`), as `gemv_args`."""
+    amx: bool | None = None,
+) -> tuple[torch.Tensor, str, tuple]:
+    """(y, the C function, its whole checked argument tuple) of the batched product, as
+    `gemv_args`: `int8_gemm_amx` for per-channel int8 weights where AMX-INT8 runs (`amx`:
+    None = where it runs, False = never; tests), else `gguf_gemm`."""
     y, pointers, (ldy, m, n, k, *layout) = _matmul_args("gguf_gemm", x, w, bias, out)
-    return y, (*pointers, ldy, m, n, k, w.gemm_act_block, *layout, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if _takes_amx(w, amx):
+        tiles = w.qs.shape[0]
+        ws = checked(
+            "int8_gemm_amx", "channel_scales", w.channel_scales, torch.float32, (tiles * TILE_ROWS,)
+        )
+        x_ptr, qs, *_, bias_ptr, y_ptr = pointers
+        bf16 = layout[-1]
+        qb = amx_act_block(k)
+        return y, "int8_gemm_amx", (x_ptr, qs, ws, bias_ptr, y_ptr, ldy, m, n, k, qb, bf16, threads)
+    return y, "gguf_gemm", (*pointers, ldy, m, n, k, w.gemm_act_block, *layout, threads)
 
 
 def gguf_gemm(
-    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None
+    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None, amx: bool | None = None
 ) -> torch.Tensor | None:
-    """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype, activations quantized per
-    `w.gemm_act_block` values, integer dot products; None without C kernels or AVX-512 VNNI."""
+    """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype, integer dot products:
+    activations quantized per `w.gemm_act_block` values (`amx_act_block` on AMX-INT8, see
+    `gemm_args`); None without C kernels, or without AVX-512 VNNI where AMX does not run."""
     lib = cpu_kernels()
-    if lib is None or not lib.gguf_gemm_compiled():
+    if lib is None:
         return None
-    y, args = gemm_args(x, w, bias)
-    if not lib.gguf_gemm(*args):
-        raise MemoryError("gguf_gemm: out of memory")
+    if not _takes_amx(w, amx) and not lib.gguf_gemm_compiled():
+        return None
+    y, fn, args = gemm_args(x, w, bias, amx=amx)
+    if not getattr(lib, fn)(*args):
+        raise MemoryError(f"{fn}: out of memory")
     return y
 
 

@@ -64,6 +64,9 @@ class PackedGGUFWeight:
     n: int  # rows (the last tile's padding excluded)
     super_scales: torch.Tensor | None = None  # fp32 [T, K/256, 16]: the K-quants' d
     super_mins: torch.Tensor | None = None  # fp32 [T, K/256, 16]: the K-quants' dmin
+    # fp32 [T * 16] (padding rows 0): the one scale of each row, where `scales` repeats it
+    # over the row's blocks (per-channel int8, `pack_q8`); the AMX-INT8 GEMM reads only this
+    channel_scales: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,7 +82,15 @@ class PackedGGUFWeight:
         return 128 if self.shape[1] % 128 == 0 else 32
 
     def nbytes(self) -> int:
-        parts = (self.qs, self.qh, self.scales, self.mins, self.super_scales, self.super_mins)
+        parts = (
+            self.qs,
+            self.qh,
+            self.scales,
+            self.mins,
+            self.super_scales,
+            self.super_mins,
+            self.channel_scales,
+        )
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def row_values(self, name: str) -> torch.Tensor | None:
@@ -269,13 +280,16 @@ def pack_gguf(
     )
 
 
-def pack_q8(q: torch.Tensor, scales: torch.Tensor) -> PackedGGUFWeight:
-    """Symmetric int8 rows q [N, K] with fp32 scales [N, K/32] (W = scale * q per 32-value
-    block; a per-channel scale repeated over its row's blocks) -> Q8_0's packed layout with
-    fp32 scales: the int8 linear methods' weights, computed by the same kernels."""
+def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> PackedGGUFWeight:
+    """Symmetric int8 rows q [N, K] and their scales -> Q8_0's packed layout with fp32 scales:
+    the int8 linear methods' weights, computed by the same kernels. `scale`: [N, K/32] (W =
+    scale * q per 32-value block) or [N], one per output channel (also kept as
+    `channel_scales`)."""
     n, k = q.shape
-    if q.dtype != torch.int8 or tuple(scales.shape) != (n, k // 32) or k % 64:
-        raise ValueError("pack_q8 takes int8 [N, K % 64 == 0] and scales [N, K/32]")
+    per_channel = scale.dim() == 1
+    blocks = scale.float().reshape(n, 1).expand(n, k // 32) if per_channel else scale.float()
+    if q.dtype != torch.int8 or tuple(blocks.shape) != (n, k // 32) or k % 64:
+        raise ValueError("pack_q8 takes int8 [N, K % 64 == 0] and scales [N] or [N, K/32]")
     tiles = -(-n // TILE_ROWS)
     qs = torch.empty(tiles, k // 4, 64, dtype=torch.uint8)
     step = max(1, _ROW_CHUNK_VALUES // k // TILE_ROWS) * TILE_ROWS
@@ -284,8 +298,13 @@ def pack_q8(q: torch.Tensor, scales: torch.Tensor) -> PackedGGUFWeight:
         rows = -(-(r1 - r0) // TILE_ROWS) * TILE_ROWS
         u = (q[r0:r1].to(torch.int16) + 128).to(torch.uint8)
         qs[r0 // TILE_ROWS : r0 // TILE_ROWS + rows // TILE_ROWS] = _tiles(_pad_rows(u, rows), 8)[0]
-    packed_scales = _row_tiles(scales.float(), tiles * TILE_ROWS).contiguous()
-    return PackedGGUFWeight(qs, None, packed_scales, None, 8, 32, 128, int(_T.Q8_0), n)
+    packed_scales = _row_tiles(blocks, tiles * TILE_ROWS).contiguous()
+    channel = None
+    if per_channel:
+        channel = _pad_rows(scale.float().reshape(n, 1), tiles * TILE_ROWS).reshape(-1)
+    return PackedGGUFWeight(
+        qs, None, packed_scales, None, 8, 32, 128, int(_T.Q8_0), n, channel_scales=channel
+    )
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

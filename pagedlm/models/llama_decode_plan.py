@@ -222,9 +222,11 @@ class LlamaDecodePlan:
             columns = y[:, g.offset : g.offset + g.rows]
             if gemv:
                 _, args = kg.gemv_args(x, g.packed, b, out=columns)
+                fn = lib.gguf_gemv
             else:
-                _, args = kg.gemm_args(x, g.packed, b, out=columns)
-            self.calls.append((lib.gguf_gemv if gemv else lib.gguf_gemm, args, _OK_NONZERO))
+                _, name, args = kg.gemm_args(x, g.packed, b, out=columns)
+                fn = getattr(lib, name)
+            self.calls.append((fn, args, _OK_NONZERO))
 
     def _layer(self, lib, layer: LlamaDecoderLayer, first_layer: bool) -> None:
         attn, mlp, rows = layer.self_attn, layer.mlp, self.rows

@@ -133,16 +133,18 @@ def test_compressed_tensors_checkpoint_against_transformers(w8a8_checkpoint) -> 
     llm = LLM(str(w8a8_checkpoint), dtype="float32", max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    parted = 0
+    compared = 0
     for out, tokens, logprobs in zip(outs, want_tokens, want_logprobs, strict=True):
         c = out.outputs[0]
         for i, (ta, tb) in enumerate(zip(c.token_ids, tokens, strict=True)):
             if ta != tb:  # a near tie under the int8 activations: both among our top 2
                 assert tb in c.logprobs[i], (i, ta, tb)
-                parted += 1
+                gap = c.logprobs[i][ta].logprob - c.logprobs[i][tb].logprob
+                assert gap < ACTIVATION_QUANT_LOGPROB, (i, ta, tb, gap)
                 break
             assert abs(c.logprobs[i][ta].logprob - logprobs[i]) < ACTIVATION_QUANT_LOGPROB
-    assert parted <= len(prompts) // 2
+            compared += 1
+    assert compared >= len(prompts) * MAX_TOKENS // 2  # these flat models tie often
 
 
 @pytest.mark.skipif(not HAS_SMAPS, reason="reads Linux's smaps")

@@ -8,9 +8,9 @@ quantized to int8 in the kernels, integer dot products (AVX-512 VNNI, or portabl
 
 Both keep only the packed copy (`kernels.gguf_pack.pack_q8`: Q8_0's tile layout, fp32 scales)
 and compute as packed GGUF does (`PackedLinearMethod`): the activations are quantized
-dynamically per 32 values (GEMV, decode-sized batches) or 128 (GEMM), finer than vLLM's per
-token. Where K is not a multiple of 64 the kernels do not apply: the layer keeps the
-dequantized weight (q * scale) and computes with F.linear.
+dynamically per 32 values (GEMV, decode-sized batches) or 128 (GEMM: AMX-INT8 where it runs,
+else AVX-512 VNNI), finer than vLLM's per token. Where K is not a multiple of 64 the kernels
+do not apply: the layer keeps the dequantized weight (q * scale) and computes with F.linear.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class _Int8Method(PackedLinearMethod):
         n, k = q.shape
         scale = scale.float().reshape(n, 1)
         if can_pack(GGMLQuantizationType.Q8_0, (n, k)):
-            group = PackedGroup(0, n, pack_q8(q, scale.expand(n, k // 32)), None)
+            group = PackedGroup(0, n, pack_q8(q, scale.reshape(n)), None)
         else:
             group = PackedGroup(0, n, None, (q.float() * scale).to(layer.params_dtype))
         layer.weight = None

@@ -1,0 +1,92 @@
+"""The int8 layout (`pack_q8`) under every kernel: the AMX-INT8 GEMM (activations per
+`amx_act_block` values), the VNNI GEMM and the GEMV, each against its PyTorch twin (int8
+activations dequantized, times the dequantized weight) within fp32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlm.kernels import gguf as kg
+from pagedlm.kernels.cpu import cpu_kernels
+from pagedlm.kernels.gguf_pack import dequantize_packed, pack_q8, quantize_activations
+from pagedlm.layers.quantization.int8 import quantize_per_channel
+
+needs_amx = pytest.mark.skipif(
+    cpu_kernels() is None or not cpu_kernels().int8_gemm_amx_supported(), reason="no AMX-INT8"
+)
+needs_vnni = pytest.mark.skipif(
+    cpu_kernels() is None or not cpu_kernels().gguf_gemm_compiled(), reason="no AVX-512 VNNI"
+)
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    w = torch.randn(n, k, generator=gen)
+    w[1] = 0  # an all-zero channel
+    q, scale = quantize_per_channel(w)
+    x = torch.randn(m, k, generator=gen) * 2
+    x[:, 5] *= 40  # an outlier channel, as LLM activations have
+    x[0, :64] = 0
+    return pack_q8(q, scale), q, scale, x.to(dtype), torch.randn(n, generator=gen).to(dtype)
+
+
+def _check(got, q, scale, x, bias, block: int) -> None:
+    m, k = x.shape
+    aq, d = quantize_activations(x, block)
+    xq = (aq.double().view(m, k // block, block) * d.double()[..., None]).view(m, k)
+    wd = q.double() * scale.double()[:, None]
+    want = xq @ wd.T + bias.double()
+    bound = (xq.abs() @ wd.abs().T) * 2**-20 + 1e-6
+    if x.dtype == torch.bfloat16:  # one rounding of the fp32 result to bf16
+        bound = bound + want.abs() * 2**-8
+    assert got.dtype == x.dtype and got.shape == (m, q.shape[0])
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_pack_q8_holds_the_quants_and_scales_exactly() -> None:
+    packed, q, scale, *_ = _case(3, 40, 128, torch.float32)
+    assert torch.equal(dequantize_packed(packed), q.float() * scale[:, None])
+    assert torch.equal(packed.channel_scales[:40], scale) and not packed.channel_scales[40:].any()
+    blocks = pack_q8(q, scale[:, None].expand(40, 4))  # per-block scales: no channel scales
+    assert blocks.channel_scales is None and torch.equal(blocks.qs, packed.qs)
+    with pytest.raises(ValueError, match="pack_q8 takes"):
+        pack_q8(q[:, :96], scale)
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(5, 40, 64), (16, 32, 128), (17, 33, 256), (37, 100, 1280), (300, 72, 384), (64, 16, 896)],
+)
+def test_amx_int8_gemm_equals_its_twin(m, n, k, dtype) -> None:
+    """Row tails (one or two 16-row tiles), column tails (one or two weight tiles of a pair,
+    partial last tile), K in blocks of 64 (K % 128 != 0) and of 128."""
+    packed, q, scale, x, bias = _case(m, n, k, dtype)
+    _, fn, _ = kg.gemm_args(x, packed, bias)
+    assert fn == "int8_gemm_amx"
+    _check(kg.gguf_gemm(x, packed, bias), q, scale, x, bias, kg.amx_act_block(k))
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 3, 9, 40])  # GEMV, then the VNNI GEMM
+def test_vnni_kernels_on_the_int8_layout(m) -> None:
+    packed, q, scale, x, bias = _case(m, 48, 384, torch.float32)
+    if m <= 4:
+        _check(kg.gguf_gemv(x, packed, bias, isa="portable"), q, scale, x, bias, 32)
+        got, block = kg.gguf_gemv(x, packed, bias), 32
+    else:
+        got, block = kg.gguf_gemm(x, packed, bias, amx=False), packed.gemm_act_block
+    _check(got, q, scale, x, bias, block)
+
+
+@needs_amx
+def test_amx_gemm_writes_into_columns_of_a_wider_output() -> None:
+    """The decode plan's use: y is a column slice of the fused output (rows ldy apart)."""
+    packed, q, scale, x, bias = _case(9, 40, 128, torch.bfloat16)
+    out = torch.full((9, 100), 7.0, dtype=torch.bfloat16)
+    y, fn, args = kg.gemm_args(x, packed, bias, out=out[:, 30:70])
+    assert fn == "int8_gemm_amx" and getattr(cpu_kernels(), fn)(*args)
+    _check(out[:, 30:70], q, scale, x, bias, kg.amx_act_block(128))
+    assert (out[:, :30] == 7).all() and (out[:, 70:] == 7).all()
