@@ -92,10 +92,11 @@ def run_backend(
     """
     threads = args.threads
     python = sys.executable
-    if backend in PEER_PYTHON_ARGS:
-        python = getattr(args, PEER_PYTHON_ARGS[backend])
+    peer = LLM_BACKENDS[backend][0] if backend in LLM_BACKENDS else backend
+    if peer in PEER_PYTHON_ARGS:
+        python = getattr(args, PEER_PYTHON_ARGS[peer])
         if not python:
-            flag = "--" + PEER_PYTHON_ARGS[backend].replace("_", "-")
+            flag = "--" + PEER_PYTHON_ARGS[peer].replace("_", "-")
             raise SystemExit(f"{flag} is needed for the {backend} backend")
     env = {
         **os.environ,
@@ -111,7 +112,7 @@ def run_backend(
                 "--allocator tcmalloc: no libtcmalloc (apt install libtcmalloc-minimal4)"
             )
         env["LD_PRELOAD"] = ":".join(filter(None, [tcmalloc, env.get("LD_PRELOAD")]))
-    if backend == "vllm" and not args.vllm_default_binding:
+    if peer == "vllm" and not args.vllm_default_binding:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     proc = subprocess.run(
         [python, script, "--worker", backend, "--spec", spec_path],

@@ -307,6 +307,18 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> PackedGGUFWeight:
     )
 
 
+def q8_rows(w: PackedGGUFWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64 [B]) of an 8-bit packed weight as fp32 [B, K], exactly
+    `dequantize_packed(w)[rows]`, reading only those rows' bytes."""
+    n, k = w.shape
+    tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
+    pick = torch.arange(rows.shape[0])
+    quads = w.qs[tile].view(-1, k // 4, TILE_ROWS, 4)[pick, :, lane]  # [B, K/4, 4]
+    q = quads.reshape(-1, k).to(torch.int32) - w.offset
+    scales = w.scales[tile].float()[pick, :, lane]  # [B, K/G]
+    return (q.float().view(-1, k // w.group, w.group) * scales[..., None]).view(-1, k)
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
 

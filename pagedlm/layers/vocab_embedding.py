@@ -75,11 +75,19 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
 
+def _is_int8(method: Any) -> bool:
+    from pagedlm.layers.quantization.int8 import Int8LinearMethod
+
+    return isinstance(method, Int8LinearMethod)
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding.
 
     A tied head keeps the embedding's dense weight for lookups and adds a prepacked copy.
     Under quantization="gguf" an untied head is a GGUF linear (its rows: this rank's vocab).
+    Under quantization="int8" the head is an int8 linear, tied or not; a tied embedding then
+    reads its rows from the head's packed weight (one copy of the table).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
@@ -87,20 +95,37 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.tied = False
         self.logits_weight: torch.Tensor | None = None  # prepacked copy of the dense weight
         self.quant_method = None
-        if current_quantization() == "gguf":
+        method = current_quantization()
+        if method in ("gguf", "int8"):
             from pagedlm.layers.quantization.gguf import GGUFLinearMethod
+            from pagedlm.layers.quantization.int8 import Int8LinearMethod
 
             self.output_size, self.input_size = self.weight.shape
             self.params_dtype = self.weight.dtype
-            self.quant_method = GGUFLinearMethod()
+            self.quant_method = GGUFLinearMethod() if method == "gguf" else Int8LinearMethod()
             self.quant_method.create_weights(self)
 
     def tie_weights(self, embed: VocabParallelEmbedding) -> None:
         self.weight = embed.weight
         self.tied = True
-        self.quant_method = None
+        # not a submodule (its table is the model's, loaded once): a plain reference
+        object.__setattr__(self, "_tied_embedding", embed)
+        if not _is_int8(self.quant_method):  # GGUF: a tied head reads the dense table
+            self.quant_method = None
 
     def process_weights_after_loading(self) -> None:
+        if _is_int8(self.quant_method):
+            self.quant_method.process_weights_after_loading(self)  # the (shared) table, packed
+            (group,) = self.packed_groups
+            if self.tied and group.packed is not None:
+                from pagedlm.layers.quantization.int8 import Int8EmbeddingMethod
+
+                embed = self._tied_embedding
+                embed.quant_method = Int8EmbeddingMethod(group.packed)
+                dense = embed.weight
+                placeholder = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
+                embed.weight = nn.Parameter(placeholder, requires_grad=False)
+            return
         if self.quant_method is not None:
             held = sum(t.shape[0] for _, t in self.gguf_shards)
             if held < self.output_size:  # padding rows past the vocabulary (TP)

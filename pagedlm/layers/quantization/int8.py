@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedlm.kernels.gguf_pack import can_pack, pack_q8
+from pagedlm.kernels.gguf_pack import PackedGGUFWeight, can_pack, pack_q8, q8_rows
 from pagedlm.layers.quantization.base import create_dense_weight
 from pagedlm.layers.quantization.gguf import PackedGroup, PackedLinearMethod
 
@@ -79,3 +79,16 @@ class CompressedTensorsW8A8LinearMethod(_Int8Method):
         q, scale = layer.weight.data, layer.weight_scale.data
         del layer.weight_scale
         self._keep(layer, q, scale)
+
+
+class Int8EmbeddingMethod:
+    """Lookups of an embedding tied to an int8 LM head: each row decoded from the head's
+    packed weight (`q8_rows`), so the table is held once, as int8."""
+
+    def __init__(self, packed: PackedGGUFWeight) -> None:
+        self.packed = packed
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).clamp(max=self.packed.n - 1)  # TP padding rows: masked later
+        rows = q8_rows(self.packed, flat).to(layer.weight.dtype)
+        return rows.view(*ids.shape, rows.shape[-1])
