@@ -13,6 +13,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,10 +24,56 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class DescendantsPeakRSS:
+    """The largest peak RSS (VmHWM) of this process's child processes, read every 0.5 s while
+    it runs: vLLM's engine core is a child process, whose memory RUSAGE_SELF misses."""
+
+    def __init__(self) -> None:
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.wait(0.5):
+            for child in me.children(recursive=True):
+                try:
+                    status = Path(f"/proc/{child.pid}/status").read_text()
+                except OSError:
+                    continue
+                for line in status.splitlines():
+                    if line.startswith("VmHWM:"):
+                        self.peak_kb = max(self.peak_kb, int(line.split()[1]))
+
+    def stop_mb(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kb / 1024
+
+
+def cache_dir() -> Path:
+    """Where benchmarks keep what they make once (pagedlm's cache dir)."""
+    return Path(os.environ.get("PAGEDLM_CACHE_DIR") or Path.home() / ".cache" / "pagedlm")
+
+
+def cpu_description() -> str:
+    """`lscpu`'s model name and the matmul ISAs that decide the kernels (AMX, AVX-512 VNNI)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    isas = [f for f in ("amx_int8", "amx_bf16", "avx512_vnni", "avx512_bf16") if f in flags]
+    return f"{fields.get('Model name', '?').strip()} ({', '.join(isas) or 'no AVX-512'})"
+
+
 def default_model() -> str:
     """The packaged default model as a Hugging Face directory (converted once into the cache)."""
-    base = Path(os.environ.get("PAGEDLM_CACHE_DIR") or Path.home() / ".cache" / "pagedlm")
-    out = base / "hf" / "qwen2.5-coder-0.5b-instruct"
+    out = cache_dir() / "hf" / "qwen2.5-coder-0.5b-instruct"
     if not (out / "model.safetensors").is_file():
         subprocess.run(
             [
@@ -199,8 +246,10 @@ def run_backends(
 def run_worker(workers: dict, backend: str, spec_path: str) -> None:
     """Worker mode: run one backend on the spec and print its results as one JSON line."""
     spec = json.loads(Path(spec_path).read_text())
+    children = DescendantsPeakRSS()
     result = workers[backend](spec)
-    result["peak_rss_mb"] = peak_rss_mb()
+    # this process and its children (vLLM's engine core, pagedlm's mp workers): both are held
+    result["peak_rss_mb"] = peak_rss_mb() + children.stop_mb()
     print(json.dumps(result))
 
 

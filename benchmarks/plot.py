@@ -9,7 +9,8 @@ file is `{backend: {"ttft_s", "decode_tok_s", "peak_rss_mb", ...}}`. The files r
 benchmarks/results/ have the same shape plus a `"source"` entry (date, build, CPU, command);
 a backend that failed (`"error"`) is left out. Writes `throughput.png` (total tokens/s per
 workload and backend, one panel per workload, each with its own scale) and `latency.png` (per
-latency file, time to first token and decode tokens/s per backend) into `--out` (docs/).
+latency file, time to first token and decode tokens/s per backend) and `scaling.png` (per
+model size, `random` total tokens/s and batch-1 decode tokens/s) into `--out` (docs/).
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "pagedlm": ("pagedlm bf16", "#1f77b4"),
     "pagedlm-nocache": ("pagedlm bf16, prefix cache off", "#9ecae1"),
     "pagedlm-gguf": ("pagedlm GGUF Q4_K_M (packed)", "#08306b"),
+    "pagedlm-int8": ('pagedlm quantization="int8"', "#3f007d"),
+    "pagedlm-w8a8": ("pagedlm, W8A8 checkpoint", "#807dba"),
     "vllm": ("vLLM-CPU bf16", "#ff7f0e"),
+    "vllm-w8a8": ("vLLM-CPU, W8A8 checkpoint", "#fdae6b"),
     "llamacpp": ("llama.cpp, same GGUF file", "#2ca02c"),
     "transformers": ("transformers bf16", "#7f7f7f"),
 }
@@ -53,15 +57,19 @@ def ordered(backends: dict[str, dict]) -> list[str]:
     return sorted(ok, key=lambda b: rank.index(b) if b in rank else len(rank))
 
 
-def load(paths: list[Path]) -> tuple[dict[str, dict], list[tuple[dict, dict]]]:
-    """Throughput runs by workload and [(source, backends)] of the latency runs; a run without
-    a successful backend is left out, a later file of the same workload replaces an earlier one."""
+def load(paths: list[Path]) -> tuple[dict[str, dict], list[tuple[dict, dict]], dict | None]:
+    """Throughput runs by workload, [(source, backends)] of the latency runs and the scaling
+    file (the last one given); a run without a successful backend is left out, a later file of
+    the same workload replaces an earlier one."""
     throughput: dict[str, dict] = {}
     latency: list[tuple[dict, dict]] = []
+    scaling = None
     for path in paths:
         data = json.loads(path.read_text())
         source = data.get("source", {})
-        if "workload" in data and "results" in data:
+        if "sizes" in data:
+            scaling = data
+        elif "workload" in data and "results" in data:
             if not ordered(data["results"]):
                 continue
             if data["workload"] in throughput:
@@ -71,7 +79,7 @@ def load(paths: list[Path]) -> tuple[dict[str, dict], list[tuple[dict, dict]]]:
             rows = {b: r for b, r in data.items() if isinstance(r, dict) and "ttft_s" in r}
             if rows:
                 latency.append(({"title": path.stem, **source}, rows))
-    return throughput, latency
+    return throughput, latency, scaling
 
 
 def setting_note(sources: list[dict]) -> str:
@@ -155,12 +163,41 @@ def plot_latency(runs: list[tuple[dict, dict]], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_scaling(data: dict, out: Path) -> None:
+    """Grouped bars: one group per model size, one bar per backend, one panel per workload."""
+    sizes = list(data["sizes"])
+    panels = [("random", "total_tok_s", "random, 32 x 256/128: total tokens/s"),
+              ("batch1", "decode_tok_s", "batch 1: decode tokens/s")]  # fmt: skip
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    for ax, (workload, metric, title) in zip(axes, panels, strict=True):
+        runs = [data["sizes"][size][workload] for size in sizes]
+        backends = ordered({b: r for run in runs for b, r in run.items() if metric in r})
+        width = 0.8 / len(backends)
+        for i, backend in enumerate(backends):
+            xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(sizes))]
+            values = [run.get(backend, {}).get(metric, 0) for run in runs]
+            ax.bar(xs, values, width, color=colour(backend), label=label(backend))
+            for x, run, value in zip(xs, runs, values, strict=True):
+                base = run.get("vllm", {}).get(metric)
+                if value and base and backend != "vllm":
+                    text = f"{value / base:.2f}"
+                    ax.annotate(text, (x, value), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(sizes)), [f"Qwen2.5-{s.upper()} shapes" for s in sizes])
+        ax.set_title(title + " (labels: x vLLM-CPU bf16)", fontsize=10)
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"By model size\n{data['source'].get('cpu', '')}, greedy, ignore_eos", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path, help="JSON written with --json")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="folder of the PNGs")
     args = parser.parse_args(argv)
-    throughput, latency = load(args.files)
+    throughput, latency, scaling = load(args.files)
     args.out.mkdir(parents=True, exist_ok=True)
     if throughput:
         plot_throughput(throughput, args.out / "throughput.png")
@@ -168,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     if latency:
         plot_latency(latency, args.out / "latency.png")
         print(args.out / "latency.png")
+    if scaling:
+        plot_scaling(scaling, args.out / "scaling.png")
+        print(args.out / "scaling.png")
 
 
 if __name__ == "__main__":

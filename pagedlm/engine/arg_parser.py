@@ -44,8 +44,9 @@ ENGINE_ARG_HELP: dict[str, str] = {
     "override_generation_config": "JSON dict merged over the generation config.",
     "enforce_eager": "Accepted either way: pagedlm's CPU kernels always run eagerly.",
     "load_format": "auto, safetensors, pt (pytorch_model*.bin), gguf or dummy (random weights).",
-    "quantization": "gguf (GGUF files: blocks kept packed, integer kernels; their default) or "
-    "int8 (weight-only, per-channel, for bf16/fp32 checkpoints).",
+    "quantization": "gguf (GGUF files: blocks kept packed, integer kernels; their default), "
+    "int8 (W8A8 quantized at load, per channel, for bf16/fp32 checkpoints) or "
+    "compressed-tensors (int8 W8A8 checkpoints; the default where the config names it).",
     "tensor_parallel_size": "Shard the model over this many worker processes (gloo on CPU).",
     "data_parallel_size": "Data-parallel engines are separate processes: see "
     "examples/data_parallel.py (VLLM_DP_RANK / VLLM_DP_SIZE).",

@@ -125,6 +125,15 @@ def test_int8_matches_its_fake_quantized_weights(tiny_model_factory, tied, tmp_p
     assert _agree(got, want, ACTIVATION_QUANT_LOGPROB) > 0  # the integer kernels ran
 
 
+def test_int8_tied_head_under_tensor_parallel(tiny_model_factory) -> None:
+    """Each rank packs its vocabulary rows of the tied int8 head and looks its embedding rows
+    up there; row-parallel shards narrower than 64 columns keep dequantized weights."""
+    model = tiny_model_factory("qwen2", tie_word_embeddings=True)
+    want = _generate(model, quantization="int8")
+    got = _generate(model, quantization="int8", tensor_parallel_size=2)
+    _agree(got, want, ACTIVATION_QUANT_LOGPROB)
+
+
 @pytest.fixture
 def w8a8_checkpoint(tiny_qwen2, tmp_path):
     from scripts.make_w8a8_checkpoint import write_w8a8_checkpoint

@@ -1,8 +1,9 @@
 """Int8 W8A8 linear methods: int8 weights with one scale per output channel, activations
-quantized to int8 in the kernels, integer dot products (AVX-512 VNNI, or portable C).
+quantized to int8 in the kernels, integer dot products (AMX-INT8, AVX-512 VNNI, portable C).
 
 - `Int8LinearMethod` (quantization="int8"): a bf16/fp32 checkpoint's dense weight quantized at
-  load: scale[n] = max_k |W[n, k]| / 127, q = round(W / scale) clamped to [-127, 127].
+  load: scale[n] = max_k |W[n, k]| / 127, q = round(W / scale) clamped to [-127, 127]. The LM
+  head too (vocab_embedding.py); a tied embedding then reads rows from it (`Int8EmbeddingMethod`).
 - `CompressedTensorsW8A8LinearMethod` (quantization="compressed-tensors"): a checkpoint that
   holds q (`weight`, int8) and the scales (`weight_scale`, [N, 1]) already.
 
@@ -25,11 +26,18 @@ from pagedlm.layers.quantization.gguf import PackedGroup, PackedLinearMethod
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (int8 q [N, K], fp32 scale [N]); all-zero rows get scale 1."""
-    w = weight.float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    """[N, K] -> (int8 q [N, K], fp32 scale [N]); all-zero rows get scale 1. Rows go in
+    chunks, so the fp32 temporaries stay small next to a large table (an LM head)."""
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n)
+    step = max(1, (1 << 22) // max(k, 1))
+    for r0 in range(0, n, step):
+        w = weight[r0 : r0 + step].float()
+        amax = w.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        q[r0 : r0 + step] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        scale[r0 : r0 + step] = s
     return q, scale
 
 

