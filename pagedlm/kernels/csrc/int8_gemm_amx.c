@@ -24,29 +24,6 @@
 #if defined(PAGEDLM_AMX) && defined(__AMX_INT8__)
 #define PAGEDLM_AMX_INT8 1
 
-// Row m of x -> q (int8 per QB-value block, rounded half to even as quantize_row), as[b] =
-// amax / 127 and corr[b] = 128 * the block's sum of quants; one horizontal sum per block.
-static inline void quantize_row_blocks(const void* x, int64_t m, int64_t K, int64_t QB, int bf16,
-                                       int8_t* restrict q, float* restrict as,
-                                       int32_t* restrict corr) {
-  for (int64_t b = 0; b < K / QB; b++) {
-    const int64_t at = m * K + QB * b;
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t i = 0; i < QB; i += 16)
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, at + i, bf16)));
-    const float amax = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t i = 0; i < QB; i += 16) {
-      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, at + i, bf16), inv));
-      _mm_storeu_si128((__m128i*)(q + QB * b + i), _mm512_cvtsepi32_epi8(v));
-      sum = _mm512_add_epi32(sum, v);
-    }
-    as[b] = amax / 127.f;
-    corr[b] = 128 * _mm512_reduce_add_epi32(sum);
-  }
-}
-
 // C tiles 0, 1 (rows m0 .. m0 + 15) and 2, 3 (the next 16, when MT == 2) = A . B over K
 // values k0 .. k1 - 1 for weight tiles t0 (tile 6) and t0 + 1 (tile 7, when NT == 2); A rows in
 // tiles 4 and 5.
@@ -136,9 +113,26 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
   int ok = aq != NULL && as != NULL && corr != NULL;
   if (ok) {
     memset(aq + M * K, 0, (mpad - M) * K);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t m = 0; m < M; m++)
-      quantize_row_blocks(x, m, K, QB, bf16, aq + m * K, as + m * nb, corr + m * nb);
+#pragma omp parallel num_threads(num_threads)
+    {
+      float* buf = malloc(sizeof(float) * act_scratch(K));
+      if (buf == NULL) {
+#pragma omp atomic write
+        ok = 0;
+      }
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; m++) {
+        if (buf == NULL) continue;
+        int32_t* sums16 = (int32_t*)(buf + K + K / 32);
+        quantize_row(x, m, K, bf16, QB, aq + m * K, as + m * nb, sums16, buf);
+        for (int64_t b = 0; b < nb; b++) {
+          int32_t total = 0;
+          for (int64_t s = b * QB / 16; s < (b + 1) * QB / 16; s++) total += sums16[s];
+          corr[m * nb + b] = 128 * total;
+        }
+      }
+      free(buf);
+    }
   }
   if (ok) {
 #pragma omp parallel num_threads(num_threads)
