@@ -401,6 +401,28 @@ def unblock_small_batch_weight(blocked: torch.Tensor) -> torch.Tensor:
     return blocked.permute(0, 2, 1, 3).reshape(nblk * 16, kp * 2).contiguous()
 
 
+def amx_linear_args(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
+) -> tuple:
+    """The checked arguments of the C `small_batch_linear` (AMX over the dense weight; x, bias
+    contiguous; y [M, N] contiguous) for the decode plan, which calls it directly."""
+    fn = "small_batch_linear (AMX)"
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > SMALL_BATCH_ROWS or n % 16 or k % 32:
+        raise ValueError(f"{fn}: M={m}, N={n}, K={k} outside the kernel's rules")
+    return (
+        checked(fn, "x", x, torch.bfloat16),
+        checked(fn, "weight", weight, torch.bfloat16, (n, k)),
+        None if bias is None else checked(fn, "bias", bias, torch.bfloat16, (n,)),
+        checked(fn, "y", y, torch.bfloat16, (m, n)),
+        m,
+        n,
+        k,
+        _threads(),
+    )
+
+
 # x, blocked w [N/16, K/2, 16, 2], bias, y, M, N/16, K/2, num_threads -> 1 if computed
 declare("gemv_bf16_blocked", [_ptr] * 4 + [_i64] * 3 + [_int], _int)
 

@@ -10,9 +10,9 @@ part on GPUs.
 
 It applies (`LlamaDecodePlan.supports`) when every linear runs a kernel the plan replays
 (`_linear_kind`: packed groups, GGUF or int8, whose GEMV or GEMM writes straight into columns
-of the fused outputs, or bf16 weights blocked for the AVX-512 BF16 small-batch kernel), the C
-attention backend runs, one dtype holds activations, norms and the KV cache, and tensor
-parallelism is off. The model runner keeps one plan per batch size, up to `max_rows` (64)
+of the fused outputs, or bf16 weights of the small-batch kernels: blocked for AVX-512 BF16,
+dense for AMX), the C attention backend runs, one dtype holds activations, norms and the KV
+cache, and tensor parallelism is off. The model runner keeps one plan per batch size, up to `max_rows` (64)
 sequences, for decode-only steps without LoRA adapters or speculative decoding; all share one
 set of buffers (`DecodeBuffers`). A plan keeps the tensors it was built from; `current()` is
 False once any of them was replaced (weights reloaded, KV cache re-allocated after sleep), and
@@ -56,19 +56,23 @@ _OK_NONZERO, _OK_ZERO, _NO_STATUS = 1, 0, None
 def _linear_kind(linear: nn.Module) -> str | None:
     """Which kernel the layer runs on a small batch: "gguf" (every group packed: the integer
     GEMV / GEMM), "blocked" (a bf16 weight in the AVX-512 BF16 small-batch layout next to its
-    prepacked copy: `gemv_bf16_blocked`), or None (a path the plan does not replay)."""
+    prepacked copy: `gemv_bf16_blocked`), "amx" (the dense bf16 weight next to its prepacked
+    copy: AMX `small_batch_linear`), or None (a path the plan does not replay)."""
     method = linear.quant_method
     if isinstance(method, PackedLinearMethod):
         return "gguf" if all(g.packed is not None for g in linear.packed_groups) else None
     w, bias = linear.weight, linear.bias
-    blocked = (
+    bf16 = (
         isinstance(method, UnquantizedLinearMethod)
         and linear.packed_weight is not None
-        and w.dim() == 4
         and w.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
     )
-    return "blocked" if blocked else None
+    if bf16 and w.dim() == 4:
+        return "blocked"
+    # AMX keeps the dense weight for its small-batch kernel; its shape rules, checked here
+    amx = bf16 and w.dim() == 2 and kc.small_batch_linear_isa() == "amx"
+    return "amx" if amx and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 else None
 
 
 class DecodeBuffers:
@@ -210,9 +214,14 @@ class LlamaDecodePlan:
         """y = linear(x) as the layer's method computes it for these rows: one GEMV per packed
         GGUF group, into its columns of y; or the AVX-512 BF16 kernel on a blocked weight."""
         bias = linear.bias
-        if _linear_kind(linear) == "blocked":
+        kind = _linear_kind(linear)
+        if kind == "blocked":
             args = kc.blocked_linear_args(x, linear.weight, bias, y)
             self.calls.append((lib.gemv_bf16_blocked, args, _OK_NONZERO))
+            return
+        if kind == "amx":
+            args = kc.amx_linear_args(x, linear.weight, bias, y)
+            self.calls.append((lib.small_batch_linear, args, _OK_NONZERO))
             return
         gemv = self.rows <= GEMV_ROWS  # as gguf_linear chooses
         for g in linear.packed_groups:

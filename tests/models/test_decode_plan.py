@@ -53,8 +53,8 @@ def test_decode_plan_equals_modules(
     source,
     dtype,
 ) -> None:
-    if source == "dense" and small_batch_linear_isa() != "avx512_bf16":
-        pytest.skip("bf16 weights are blocked for the small-batch kernel on AVX-512 BF16 only")
+    if source == "dense" and small_batch_linear_isa() not in ("avx512_bf16", "amx"):
+        pytest.skip("bf16 weights run a small-batch kernel on AVX-512 BF16 and AMX only")
     model = mixed_gguf if source == "gguf" else tiny_llama
     kwargs = {"quantization": "int8"} if source == "int8" else {}
     rows_seen: list[int] = []
