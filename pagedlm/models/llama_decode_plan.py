@@ -16,7 +16,8 @@ cache, and tensor parallelism is off. The model runner keeps one plan per batch 
 `max_rows` (64) sequences, for decode-only steps without LoRA adapters or speculative
 decoding; all share one set of buffers (`DecodeBuffers`). A plan keeps the tensors it was
 built from; `current()` is False once any of them was replaced (weights reloaded, KV cache
-re-allocated after sleep), and the runner builds a new one. PAGEDLM_DISABLE_DECODE_PLAN=1 turns it off.
+re-allocated after sleep), and the runner builds a new one. PAGEDLM_DISABLE_DECODE_PLAN=1
+turns it off.
 """
 
 from __future__ import annotations
