@@ -224,9 +224,9 @@ def gguf_gemm(
     lib = cpu_kernels()
     if lib is None:
         return None
-    if not _takes_amx(w, amx) and not lib.gguf_gemm_compiled():
-        return None
     y, fn, args = gemm_args(x, w, bias, amx=amx)
+    if fn == "gguf_gemm" and not lib.gguf_gemm_compiled():
+        return None
     if not getattr(lib, fn)(*args):
         raise MemoryError(f"{fn}: out of memory")
     return y

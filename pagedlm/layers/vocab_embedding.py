@@ -37,7 +37,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.zeros(per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.quant_method: Any = None  # GGUFEmbeddingMethod: the table kept as GGUF blocks
+        # how lookups read a table held quantized (`look_up_with`), or None: the dense weight
+        self.quant_method: Any = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -46,8 +47,9 @@ class VocabParallelEmbedding(nn.Module):
 
         # an untied table of a GGUF file (a GGUF LM head's blocks go to its linear method's sink)
         if isinstance(loaded_weight, GGUFRawTensor) and param is self.weight:
-            self.quant_method = GGUFEmbeddingMethod()
-            self.quant_method.load(self, loaded_weight)
+            method = GGUFEmbeddingMethod()
+            method.load(self, loaded_weight)
+            self.look_up_with(method)
             return
         if self.tp_size == 1:
             default_weight_loader(param, loaded_weight)
@@ -60,6 +62,16 @@ class VocabParallelEmbedding(nn.Module):
         n = self.vocab_end - self.vocab_start
         rows = loaded_weight.narrow(0, self.vocab_start, n)
         default_weight_loader(param.data.narrow(0, 0, n), rows)
+
+    def look_up_with(self, method: Any) -> None:
+        """Lookups go to `method.embedding(self, ids)` (the table held quantized: its GGUF
+        blocks, or a tied int8 head); the dense parameter becomes a placeholder (shape and
+        dtype kept, no memory)."""
+        self.quant_method = method
+        dense = self.weight
+        placeholder = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
+        self.weight = nn.Parameter(placeholder, requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
@@ -120,11 +132,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             if self.tied and group.packed is not None:
                 from pagedlm.layers.quantization.int8 import Int8EmbeddingMethod
 
-                embed = self._tied_embedding
-                embed.quant_method = Int8EmbeddingMethod(group.packed)
-                dense = embed.weight
-                placeholder = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
-                embed.weight = nn.Parameter(placeholder, requires_grad=False)
+                self._tied_embedding.look_up_with(Int8EmbeddingMethod(group.packed))
             return
         if self.quant_method is not None:
             held = sum(t.shape[0] for _, t in self.gguf_shards)

@@ -6,7 +6,7 @@ loader sets the method for the whole model with `set_quantization` around constr
 - "gguf": `GGUFLinearMethod` -- GGUF blocks kept packed, integer kernels (GGUF files only).
 - "int8": `Int8LinearMethod` -- W8A8: a dense checkpoint quantized per channel at load.
 - "compressed-tensors": `CompressedTensorsW8A8LinearMethod` -- W8A8 int8 checkpoints
-  (`compressed_tensors.parse_config` says which such checkpoints load).
+  (`compressed_tensors.check_config` says which such checkpoints load).
 """
 
 from __future__ import annotations

@@ -15,20 +15,23 @@ SUPPORTED = (
 )
 
 
+def _quantization_config(hf_config: Any) -> dict | None:
+    """The checkpoint config's `quantization_config` as a dict (transformers may hold an
+    object), or None."""
+    qc = getattr(hf_config, "quantization_config", None)
+    return qc if qc is None or isinstance(qc, dict) else qc.to_dict()
+
+
 def checkpoint_quant_method(hf_config: Any) -> str | None:
     """`quantization_config.quant_method` of a checkpoint's config, if it has one."""
-    qc = getattr(hf_config, "quantization_config", None)
-    if qc is None:
-        return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    return qc.get("quant_method")
+    qc = _quantization_config(hf_config)
+    return None if qc is None else qc.get("quant_method")
 
 
 def check_config(hf_config: Any) -> None:
     """Raise NotImplementedError naming the first part of the checkpoint's
     quantization_config that pagedlm cannot run; return if it is int8 W8A8."""
-    qc = hf_config.quantization_config
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    qc = _quantization_config(hf_config)
 
     def refuse(what: str) -> None:
         raise NotImplementedError(

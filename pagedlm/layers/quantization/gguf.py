@@ -126,16 +126,12 @@ class GGUFEmbeddingMethod:
     per block). For an untied table only: a tied head reads the dense weight."""
 
     def load(self, layer: nn.Module, raw: GGUFRawTensor) -> None:
-        """This rank's rows of `raw`, copied out of the file's mapping; the dense parameter
-        becomes a placeholder (shape and dtype kept, no memory)."""
-        dense = layer.weight
-        rows = min(dense.shape[0], raw.shape[0] - layer.vocab_start)
+        """This rank's rows of `raw`, copied out of the file's mapping (the layer then drops
+        its dense parameter: `VocabParallelEmbedding.look_up_with`)."""
+        rows = min(layer.weight.shape[0], raw.shape[0] - layer.vocab_start)
         mine = raw.narrow(0, layer.vocab_start, rows) if layer.tp_size > 1 else raw
         layer.gguf_table = GGUFRawTensor(mine.data.clone(), mine.ggml_type, tuple(mine.shape))
         mine.release()
-        placeholder = torch.empty(dense.shape, dtype=dense.dtype, device="meta")
-        layer.weight = nn.Parameter(placeholder, requires_grad=False)
-        layer.weight.weight_loader = layer.weight_loader
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         table = layer.gguf_table

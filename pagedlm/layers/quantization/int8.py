@@ -46,11 +46,11 @@ class _Int8Method(PackedLinearMethod):
 
     def _keep(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         n, k = q.shape
-        scale = scale.float().reshape(n, 1)
+        scale = scale.float().reshape(n)
         if can_pack(GGMLQuantizationType.Q8_0, (n, k)):
-            group = PackedGroup(0, n, pack_q8(q, scale.reshape(n)), None)
+            group = PackedGroup(0, n, pack_q8(q, scale), None)
         else:
-            group = PackedGroup(0, n, None, (q.float() * scale).to(layer.params_dtype))
+            group = PackedGroup(0, n, None, (q.float() * scale[:, None]).to(layer.params_dtype))
         layer.weight = None
         layer.packed_groups = [group]
 
