@@ -394,10 +394,11 @@ class EngineArgs:
         instead); "int8" needs a bf16/fp32 checkpoint, "gguf" a GGUF file. A checkpoint whose
         config names a quantization method gets that one (vLLM's rule), if pagedlm runs it."""
         if is_gguf:
-            if self.quantization == "int8":
+            if self.quantization not in (None, "gguf"):
                 raise ValueError(
-                    "quantization='int8' quantizes bf16/fp32 checkpoints; this model is a GGUF "
-                    "file, already quantized: use quantization='gguf' (its default)."
+                    f"quantization={self.quantization!r} is for Hugging Face checkpoints; this "
+                    "model is a GGUF file, already quantized: use quantization='gguf' (its "
+                    "default)."
                 )
             if self.quantization is None and envs.PAGEDLM_GGUF_DEQUANTIZE:
                 return None

@@ -208,8 +208,9 @@ def test_engine_args_quantization_rules(monkeypatch) -> None:
     assert EngineArgs().resolve_quantization(is_gguf=True) == "gguf"
     assert EngineArgs().resolve_quantization(is_gguf=False) is None
     assert EngineArgs(quantization="int8").resolve_quantization(is_gguf=False) == "int8"
-    with pytest.raises(ValueError, match="already quantized"):
-        EngineArgs(quantization="int8").resolve_quantization(is_gguf=True)
+    for method in ("int8", "compressed-tensors"):
+        with pytest.raises(ValueError, match=f"'{method}' is for Hugging Face.*already quantized"):
+            EngineArgs(quantization=method).resolve_quantization(is_gguf=True)
     with pytest.raises(ValueError, match="needs a .gguf model"):
         EngineArgs(quantization="gguf").resolve_quantization(is_gguf=False)
     monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", "1")
