@@ -52,12 +52,34 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
 
 
 def derive_max_model_len(hf_config: Any) -> int:
-    """The longest sequence the model's positions allow (max_position_embeddings and friends)."""
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    """The longest sequence the model's positions allow (max_position_embeddings and friends;
+    a vision-language config's text config holds them)."""
+    for config in (hf_config, getattr(hf_config, "text_config", None)):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
     return 2048
+
+
+@dataclass
+class MultiModalConfig:
+    """Image inputs of a vision-language model (vLLM's names); None on text-only models."""
+
+    limit_per_prompt: dict[str, int] = field(default_factory=dict)  # modality -> most items
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # image processor kwargs
+    mm_processor_cache_gb: float = 4.0  # processed images kept by content hash; 0: none
+
+    def __post_init__(self) -> None:
+        for modality, limit in self.limit_per_prompt.items():
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ValueError(
+                    f"limit_mm_per_prompt[{modality!r}] must be a non-negative int, got {limit!r}."
+                )
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError(
+                f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb}."
+            )
 
 
 @dataclass
@@ -89,6 +111,8 @@ class ModelConfig(ModelArchQueries):
     convert: str = "auto"
     pooling_task: str | None = None  # "embed" or "classify" for pooling models
     return_sampling_mask: bool = False  # CompletionOutput.sampling_mask for every request
+    multimodal_config: MultiModalConfig | None = None  # set for vision-language models
+    allowed_local_media_path: str = ""  # file:// images are read only under this directory
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -106,7 +130,7 @@ class ModelConfig(ModelArchQueries):
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
+        return int(self.hf_text_config.vocab_size)
 
     def get_hf_generation_config(self) -> dict[str, Any]:
         """generation_config.json of the model (or of the folder given), {} for 'vllm'. Without
@@ -118,6 +142,8 @@ class ModelConfig(ModelArchQueries):
         path = Path(folder) / "generation_config.json"
         if not path.is_file():
             eos = getattr(self.hf_config, "eos_token_id", None)
+            if eos is None:
+                eos = getattr(self.hf_text_config, "eos_token_id", None)
             return {} if eos is None else {"eos_token_id": eos}
         try:
             return json.loads(path.read_text())
@@ -164,6 +190,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # KV slots reserved past the scheduled tokens (a draft model writes its drafts' KV there)
     num_lookahead_tokens: int = 0
+    # an image's placeholder tokens are scheduled in one step, never cut by a chunk
+    disable_chunked_mm_input: bool = False
 
 
 @dataclass

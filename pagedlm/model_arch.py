@@ -1,8 +1,8 @@
 """vLLM's ModelConfig queries over the Hugging Face config (scripts and tools read them).
 
 Mixed into `pagedlm.config.ModelConfig`; everything derives from `hf_config`, nothing is stored.
-pagedlm serves dense, text-only decoder and encoder models, so the MoE / multimodal /
-encoder-decoder predicates answer False.
+pagedlm serves dense decoder and encoder models, and vision-language decoders (images), so the
+MoE / encoder-decoder predicates answer False.
 """
 
 from __future__ import annotations
@@ -82,11 +82,22 @@ class ModelArchQueries:
     def is_quantized(self) -> bool:
         return self.quantization is not None
 
+    @property
+    def is_multimodal_model(self) -> bool:
+        return getattr(self.hf_config, "vision_config", None) is not None
+
+    @property
+    def uses_mrope(self) -> bool:
+        """Multimodal rotary positions (Qwen2-VL family): three position ids per token."""
+        text = self.hf_text_config
+        for rope in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+            if isinstance(rope, dict) and "mrope_section" in rope:
+                return True
+        return False
+
     # pagedlm has none of these model kinds
     is_encoder_decoder = False
-    is_multimodal_model = False
     is_moe = False
     is_hybrid = False
     is_attention_free = False
     use_mla = False
-    uses_mrope = False

@@ -15,6 +15,7 @@ from pagedlm.core.block_hash import hash_request_blocks
 
 if TYPE_CHECKING:
     from pagedlm.lora.request import LoRARequest
+    from pagedlm.multimodal.inputs import MultiModalFeatureSpec
     from pagedlm.sampling_params import SamplingParams
     from pagedlm.structured_output import StructuredOutputRequest
 
@@ -63,8 +64,10 @@ class Request:
         pooling_params: object | None = None,
         token_type_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.mm_features = mm_features or []  # images in prompt order (multimodal/inputs.py)
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         self.token_type_ids = token_type_ids
@@ -140,7 +143,11 @@ class Request:
         """Hash the full blocks not hashed yet (chained on the previous block's hash)."""
         self.block_hashes.extend(
             hash_request_blocks(
-                self._all_token_ids, self.block_size, self.block_hashes, self._hash_salt
+                self._all_token_ids,
+                self.block_size,
+                self.block_hashes,
+                self._hash_salt,
+                self.mm_features,
             )
         )
 

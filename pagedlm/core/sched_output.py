@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedlm.lora.request import LoRARequest
+from pagedlm.multimodal.inputs import MultiModalFeatureSpec
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.runner_outputs import LogprobsLists
 from pagedlm.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class NewRequestData:
     # tokens generated so far: non-empty when the request is re-sent whole after the workers
     # forgot their requests (a failed step)
     output_token_ids: list[int] = field(default_factory=list)
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)  # its images
 
 
 @dataclass
@@ -76,6 +78,10 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Structured outputs: bitmask rows of this step's grammar-constrained samples (plain data).
     grammar_output: GrammarOutput | None = None
+    # Images to encode this step (req_id -> indices into its mm_features), after the workers
+    # drop the encoder outputs of `free_encoder_mm_hashes` (identifiers).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedlm.config import CacheConfig, SchedulerConfig
+from pagedlm.core.encoder_cache_manager import EncoderCacheManager
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.sched_output import EngineCoreOutput, NewRequestData, SchedulerOutput
@@ -116,6 +117,10 @@ class Scheduler:
         self.preempted_outside_step: set[str] = set()  # told to the workers next step
         self.num_preemptions = 0
         self.spec_decoding_stats = SpecDecodingStats()
+        # Images: at most `encoder_budget` embedding rows encoded a step, and cached on the
+        # workers; any image of an admissible prompt fits both.
+        self.encoder_budget = max(scheduler_config.max_num_batched_tokens, self.max_model_len)
+        self.encoder_cache_manager = EncoderCacheManager(self.encoder_budget)
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -136,6 +141,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -152,6 +158,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         scheduled: list[Request] = []
         preempted = False
+        self._encoder_budget_left = self.encoder_budget
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -161,6 +168,9 @@ class Scheduler:
                 num_new = min(num_new, threshold)
             # drafts never reach past the last position the model allows
             num_new = min(num_new, budget, self.max_model_len - request.num_computed_tokens)
+            encoder_inputs, num_new = self._schedule_encoder_inputs(
+                request, request.num_computed_tokens, num_new
+            )
             if num_new <= 0:
                 i += 1
                 continue
@@ -183,6 +193,7 @@ class Scheduler:
             else:
                 scheduled.append(request)
                 out.num_scheduled_tokens[request.request_id] = num_new
+                self._allocate_encoder_inputs(request, encoder_inputs, out)
                 num_drafts = request.num_computed_tokens + num_new - request.num_tokens
                 if num_drafts > 0:
                     drafts = request.spec_token_ids[:num_drafts]
@@ -196,6 +207,17 @@ class Scheduler:
         if not preempted or not scheduled:
             budget = self._admit_waiting(out, scheduled, budget, threshold)
 
+        # an image scheduled for a request preempted later in this step is still encoded (the
+        # workers keep a preempted request's data) unless its entry was evicted meanwhile
+        cached = self.encoder_cache_manager.cached
+        for rid, indices in list(out.scheduled_encoder_inputs.items()):
+            features = self.requests[rid].mm_features
+            kept = [i for i in indices if features[i].identifier in cached]
+            if kept:
+                out.scheduled_encoder_inputs[rid] = kept
+            else:
+                del out.scheduled_encoder_inputs[rid]
+        out.free_encoder_mm_hashes = self.encoder_cache_manager.get_freed_mm_hashes()
         now = time.monotonic()
         for request in scheduled:
             out.num_computed_tokens[request.request_id] = request.num_computed_tokens
@@ -227,6 +249,7 @@ class Scheduler:
                     token_type_ids=request.token_type_ids,
                     lora_request=request.lora_request,
                     output_token_ids=list(request.output_token_ids),
+                    mm_features=request.mm_features,
                 )
             )
             request.sent_to_workers = True
@@ -269,6 +292,12 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            wanted = num_new
+            encoder_inputs, num_new = self._schedule_encoder_inputs(
+                request, num_hit_tokens, num_new
+            )
+            if num_new <= 0 or (num_new < wanted and not self.config.enable_chunked_prefill):
+                break
             allocated = self.kv_cache_manager.allocate_slots(
                 request,
                 num_new + self._lookahead(num_hit_tokens + num_new),
@@ -289,12 +318,60 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
+            self._allocate_encoder_inputs(request, encoder_inputs, out)
             budget -= num_new
             if lora is not None:
                 loras.add(lora.lora_int_id)
         for request in reversed(skipped):
             self.waiting.prepend(request)
         return budget
+
+    def _schedule_encoder_inputs(
+        self, request: Request, start: int, num_new: int
+    ) -> tuple[list[int], int]:
+        """(indices of the request's images to encode this step, tokens to schedule): the
+        tokens stop before an image that cannot be encoded now (encoder budget or cache
+        space), and, with `disable_chunked_mm_input`, before an image that would be cut."""
+        if not request.mm_features:
+            return [], num_new
+        manager = self.encoder_cache_manager
+        end = start + num_new
+        indices: list[int] = []
+        reserved = 0
+        for index, feature in enumerate(request.mm_features):
+            position = feature.mm_position
+            if position.offset >= end:
+                break
+            if position.end <= start:
+                continue
+            if self.config.disable_chunked_mm_input and position.end > end:
+                return indices, max(position.offset - start, 0)
+            if manager.check_and_update_cache(request, index):
+                continue
+            if feature.num_embeds > self._encoder_budget_left - reserved or not (
+                manager.can_allocate(request, index, reserved)
+            ):
+                return indices, max(position.offset - start, 0)
+            reserved += feature.num_embeds
+            indices.append(index)
+        return indices, num_new
+
+    def _allocate_encoder_inputs(
+        self, request: Request, indices: list[int], out: SchedulerOutput
+    ) -> None:
+        """The scheduled request's images to encode: cached from now, sent to the workers."""
+        if not indices:
+            return
+        for index in indices:
+            self.encoder_cache_manager.allocate(request, index)
+            self._encoder_budget_left -= request.mm_features[index].num_embeds
+        out.scheduled_encoder_inputs[request.request_id] = indices
+
+    def _free_encoder_inputs(self, request: Request) -> None:
+        """Release the images whose placeholder tokens are all computed."""
+        for index, feature in enumerate(request.mm_features):
+            if feature.mm_position.end <= request.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(request, index)
 
     def _running_lora_ids(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request}
@@ -312,6 +389,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, keep the tokens, wait at the front."""
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -350,6 +428,8 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 stopped = True
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if request.mm_features:
+                self._free_encoder_inputs(request)
             if stopped:
                 self.running.remove(request)
                 self._free_request(request)
@@ -439,9 +519,16 @@ class Scheduler:
             request.sent_to_workers = False
             request.resumed_from_preemption = False
         self.kv_cache_manager.invalidate_prefix_cache()
+        self.encoder_cache_manager.reset()  # the workers drop their encoder outputs too
+
+    def reset_encoder_cache(self) -> None:
+        """Evict every encoder output no request is using (reset_mm_cache); the workers drop
+        them with the next step."""
+        self.encoder_cache_manager.evict_unused()
 
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()
+        self.encoder_cache_manager.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
         assert self.max_loras is None or len(self._running_lora_ids()) <= self.max_loras
         for request in self.running:

@@ -42,6 +42,12 @@ ENGINE_ARG_HELP: dict[str, str] = {
     "disable_log_stats": "Do not keep metrics.",
     "generation_config": "auto (the model's generation_config.json), vllm (neutral) or a folder.",
     "override_generation_config": "JSON dict merged over the generation config.",
+    "limit_mm_per_prompt": 'JSON dict: the most items per prompt by modality, e.g. {"image": 2} '
+    "(default 999).",
+    "mm_processor_kwargs": 'JSON dict passed to the image processor, e.g. {"max_pixels": 802816}.',
+    "mm_processor_cache_gb": "GiB of processed images kept by content hash (0: none).",
+    "allowed_local_media_path": "Directory under which file:// image URLs may be read.",
+    "disable_chunked_mm_input": "Schedule each image's tokens in one step, never cut by a chunk.",
     "enforce_eager": "Accepted either way: pagedlm's CPU kernels always run eagerly.",
     "load_format": "auto, safetensors, pt (pytorch_model*.bin), gguf or dummy (random weights).",
     "quantization": "gguf (GGUF files: blocks kept packed, integer kernels; their default), "

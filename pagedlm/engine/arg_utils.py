@@ -22,6 +22,7 @@ from pagedlm.config import (
     CacheConfig,
     LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     ProfilerConfig,
     SchedulerConfig,
@@ -131,6 +132,11 @@ class EngineArgs:
     profiler_config: Any = None
     structured_outputs_config: dict[str, Any] | None = None
     return_sampling_mask: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_cache_gb: float = 4
+    allowed_local_media_path: str = ""
+    disable_chunked_mm_input: bool = False
     served_model_name: str | list[str] | None = None
     spec_method: str | None = None
     spec_model: str | None = None
@@ -181,6 +187,22 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
+
+    def _multimodal_config(self, hf_config: Any) -> MultiModalConfig | None:
+        """The image options of a vision-language model; on a text-only model they must be
+        left at their defaults (images are refused per request)."""
+        if getattr(hf_config, "vision_config", None) is None:
+            if self.limit_mm_per_prompt or self.mm_processor_kwargs:
+                raise ValueError(
+                    "limit_mm_per_prompt and mm_processor_kwargs apply to vision-language models; "
+                    "this model is text-only."
+                )
+            return None
+        return MultiModalConfig(
+            limit_per_prompt=dict(self.limit_mm_per_prompt or {}),
+            mm_processor_kwargs=dict(self.mm_processor_kwargs or {}),
+            mm_processor_cache_gb=float(self.mm_processor_cache_gb),
+        )
 
     def _fold_speculative_shorthands(self) -> None:
         """vLLM's `spec_method` / `spec_model` / `spec_tokens` fill `speculative_config`."""
@@ -283,6 +305,8 @@ class EngineArgs:
             convert=self.convert,
             pooling_task=pooling_task,
             return_sampling_mask=self.return_sampling_mask,
+            multimodal_config=self._multimodal_config(hf_config),
+            allowed_local_media_path=self.allowed_local_media_path,
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16,
@@ -302,6 +326,8 @@ class EngineArgs:
             enable_chunked_prefill=chunked,
             scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            # a model whose image tokens attend both ways needs each image in one chunk
+            disable_chunked_mm_input=self.disable_chunked_mm_input or model_cls.mm_bidirectional,
         )
         parallel_config = self.create_parallel_config(hf_config)
         speculative_config = None
@@ -442,8 +468,9 @@ class EngineArgs:
                 "VLLM_DP_SIZE set (see examples/data_parallel.py)."
             )
         tp = self.tensor_parallel_size
-        heads = getattr(hf_config, "num_attention_heads", 1)
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        heads = getattr(text_config, "num_attention_heads", 1)
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         if heads % tp:
             raise ValueError(
                 f"Total number of attention heads ({heads}) must be divisible by tensor "

@@ -12,6 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from pagedlm.config import ModelConfig
 from pagedlm.exceptions import VLLMValidationError
+from pagedlm.multimodal.inputs import MultiModalFeatureSpec
+from pagedlm.multimodal.processing import (
+    BaseMultiModalProcessor,
+    ProcessorCache,
+    check_mm_data,
+)
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_options import check_unsupported_fields, is_int
 from pagedlm.sampling_params import SamplingParams
@@ -33,6 +39,7 @@ class EngineCoreRequest:
     pooling_params: Any = None
     token_type_ids: list[int] | None = None
     lora_request: Any = None  # LoRARequest, checked by the engine
+    mm_features: list[MultiModalFeatureSpec] | None = None  # images, in prompt order
 
 
 def _check_token_ids(token_ids: Any) -> list[int]:
@@ -61,6 +68,37 @@ class InputProcessor:
         if self.eos_token_id is None:
             eos = self.generation_config.get("eos_token_id")
             self.eos_token_id = eos[0] if isinstance(eos, list) and eos else eos
+        self.mm_processor: BaseMultiModalProcessor | None = None
+        mm_config = model_config.multimodal_config
+        if mm_config is not None:
+            from pagedlm.models.registry import ModelRegistry
+
+            model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)[0]
+            cache = ProcessorCache(int(mm_config.mm_processor_cache_gb * 2**30))
+            self.mm_processor = model_cls.mm_processor_cls(model_config, tokenizer, cache)
+
+    def process_multimodal(
+        self, prompt: dict[str, Any], token_ids: list[int]
+    ) -> tuple[list[int], list[MultiModalFeatureSpec] | None]:
+        """The prompt's token ids with its images' placeholders expanded, and their features
+        (None for a prompt without images)."""
+        mm_config = self.model_config.multimodal_config
+        if mm_config is None and prompt.get("mm_processor_kwargs"):
+            raise ValueError(
+                "mm_processor_kwargs apply to vision-language models; this model is text-only."
+            )
+        images = check_mm_data(
+            prompt.get("multi_modal_data") or {},
+            mm_config.limit_per_prompt if mm_config else {},
+            self.mm_processor is not None,
+        )
+        if not images:
+            return token_ids, None
+        assert self.mm_processor is not None and mm_config is not None
+        kwargs = {**mm_config.mm_processor_kwargs, **(prompt.get("mm_processor_kwargs") or {})}
+        uuids = (prompt.get("multi_modal_uuids") or {}).get("image")
+        token_ids, features = self.mm_processor.apply(token_ids, images, kwargs, uuids)
+        return token_ids, features
 
     def stop_token_ids(self) -> list[int]:
         """The ids that end generation by default: EOS and generation_config's eos ids."""
@@ -77,11 +115,6 @@ class InputProcessor:
         cache_salt = None
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
-            if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
-                raise NotImplementedError(
-                    "Multimodal prompts (multi_modal_data, mm_processor_kwargs) are not "
-                    "supported by pagedlm yet."
-                )
             if "prompt_token_ids" in prompt:
                 token_ids = _check_token_ids(prompt["prompt_token_ids"])
                 return prompt.get("prompt"), token_ids, cache_salt
@@ -158,6 +191,11 @@ class InputProcessor:
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}."
             )
         text, token_ids, cache_salt = self.tokenize_prompt(prompt, tokenization_kwargs)
+        mm_features = None
+        if isinstance(prompt, dict) and (
+            prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs")
+        ):
+            token_ids, mm_features = self.process_multimodal(prompt, token_ids)
         self.validate_prompt(token_ids, params.max_tokens)
         params = self.prepare_sampling_params(params, len(token_ids))
         return EngineCoreRequest(
@@ -169,6 +207,7 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt,
+            mm_features=mm_features,
         )
 
     def process_pooling_inputs(
@@ -200,6 +239,11 @@ class InputProcessor:
             text, token_ids = prompt, list(encoded["input_ids"])
             cache_salt = None
         else:
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+                raise NotImplementedError(
+                    "Images in pooling requests (embed, classify, score) are not supported by "
+                    "pagedlm; images work with generate and chat."
+                )
             text, token_ids, cache_salt = self.tokenize_prompt(prompt, kwargs)
             if truncate is not None and len(token_ids) > truncate:
                 token_ids = token_ids[-truncate:]

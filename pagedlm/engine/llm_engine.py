@@ -7,6 +7,7 @@ workers; control calls (`collective_rpc`, `apply_model`) go through the executor
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import secrets
@@ -168,16 +169,8 @@ class LLMEngine:
             if params.seed is not None:
                 child_params.seed = params.seed + index
             child_params.n = 1
-            child = EngineCoreRequest(
-                request_id=f"{index}_{internal_id}",
-                prompt=request.prompt,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=child_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time,
-                priority=priority,
-                cache_salt=request.cache_salt,
-                lora_request=lora_request,
+            child = dataclasses.replace(
+                request, request_id=f"{index}_{internal_id}", sampling_params=child_params
             )
             self._add_core_request(child, request_id, parent, index)
         return internal_id
@@ -204,6 +197,7 @@ class LLMEngine:
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
         if params is not None and params.structured_outputs is not None:
             so_manager = self.structured_output_manager
@@ -344,6 +338,19 @@ class LLMEngine:
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text a string chat template gets per image (None: the model takes no images)."""
+        processor = self.input_processor.mm_processor
+        return processor.placeholder_str if processor is not None else None
+
+    def reset_mm_cache(self) -> None:
+        """Clear the processed-image cache and evict the encoder outputs no request uses."""
+        processor = self.input_processor.mm_processor
+        if processor is not None:
+            processor.cache.clear()
+        self.scheduler.reset_encoder_cache()
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return self.model_config.supported_tasks

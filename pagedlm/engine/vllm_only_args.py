@@ -14,16 +14,15 @@ from typing import Any
 
 from pagedlm.sampling_options import same_value
 
-_MULTIMODAL = "multimodal inputs are not implemented yet (text models only)"
+_MULTIMODAL = (
+    "pagedlm takes images with these options at their defaults (video, audio and embeddings "
+    "are not implemented)"
+)
 _MULTIMODAL_FIELDS: dict[str, tuple[Any, ...]] = {
-    "allowed_local_media_path": ("",),
     "allowed_media_domains": (None,),
-    "limit_mm_per_prompt": ({},),
     "enable_mm_embeds": (False,),
     "interleave_mm_strings": (False,),
     "media_io_kwargs": ({},),
-    "mm_processor_kwargs": (None, {}),
-    "mm_processor_cache_gb": (4,),
     "mm_processor_cache_type": ("lru",),
     "mm_hasher_algorithm": ("blake3",),
     "mm_shm_cache_max_object_size_mb": (128,),
@@ -46,7 +45,6 @@ _MULTIMODAL_FIELDS: dict[str, tuple[Any, ...]] = {
     "mm_ipc_gpu_memory_gb": (0,),
     "mm_device_do_normalize": (True,),
     "default_mm_loras": (None,),
-    "disable_chunked_mm_input": (False,),
     "enable_tower_connector_lora": (False,),
     "enable_mm_processor_stats": (False,),
     "ec_transfer_config": (None,),

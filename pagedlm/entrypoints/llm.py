@@ -31,11 +31,19 @@ from pagedlm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def _refuse_mm_processor_kwargs(mm_processor_kwargs: dict[str, Any] | None) -> None:
-    if mm_processor_kwargs:
-        raise NotImplementedError(
-            "mm_processor_kwargs: multimodal inputs are not supported by pagedlm yet."
-        )
+def _with_mm_processor_kwargs(prompts: Any, mm_processor_kwargs: dict[str, Any] | None) -> Any:
+    """The prompts with the call's `mm_processor_kwargs` under each prompt's own."""
+    if not mm_processor_kwargs:
+        return prompts
+    out = []
+    for prompt in prompt_to_seq(prompts):
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        elif not isinstance(prompt, dict):
+            prompt = {"prompt_token_ids": prompt}
+        own = prompt.get("mm_processor_kwargs") or {}
+        out.append({**prompt, "mm_processor_kwargs": {**mm_processor_kwargs, **own}})
+    return out
 
 
 class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingMixin):
@@ -92,6 +100,10 @@ class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingM
     ) -> bool:
         return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def reset_mm_cache(self) -> None:
+        """Clear the processed-image cache and the encoder outputs no request is using."""
+        self.llm_engine.reset_mm_cache()
+
     def get_metrics(self) -> list[Any]:
         """A snapshot of the vLLM-named Prometheus metrics (needs disable_log_stats=False)."""
         return self.llm_engine.get_metrics()
@@ -132,9 +144,9 @@ class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingM
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        _refuse_mm_processor_kwargs(mm_processor_kwargs)
         self._check_generate("LLM.generate()")
         self.llm_engine.check_can_generate()
+        prompts = _with_mm_processor_kwargs(prompts, mm_processor_kwargs)
         self._add_requests(
             prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
         )
@@ -151,9 +163,9 @@ class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingM
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """Add requests without running them; `wait_for_completion()` runs everything queued."""
-        _refuse_mm_processor_kwargs(mm_processor_kwargs)
         if self.runner_type != "generate":
             raise ValueError("LLM.enqueue() is only supported for generative models.")
+        prompts = _with_mm_processor_kwargs(prompts, mm_processor_kwargs)
         return self._add_requests(
             prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
         )
@@ -178,7 +190,6 @@ class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingM
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        _refuse_mm_processor_kwargs(mm_processor_kwargs)
         self._check_generate("LLM.chat()")
         prompts = self._render_chat(
             messages,
@@ -195,6 +206,7 @@ class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingM
             use_tqdm=use_tqdm,
             lora_request=lora_request,
             tokenization_kwargs=tokenization_kwargs,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
 
     def enqueue_chat(
@@ -214,7 +226,6 @@ class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingM
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """`enqueue` for conversations: rendered now, run by `wait_for_completion()`."""
-        _refuse_mm_processor_kwargs(mm_processor_kwargs)
         if self.runner_type != "generate":
             raise ValueError("LLM.enqueue_chat() is only supported for generative models.")
         prompts = self._render_chat(
@@ -226,6 +237,7 @@ class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingM
             tools,
             chat_template_kwargs,
         )
+        prompts = _with_mm_processor_kwargs(prompts, mm_processor_kwargs)
         return self._add_requests(
             prompts, sampling_params, use_tqdm, lora_request, priority, tokenization_kwargs
         )
@@ -251,6 +263,8 @@ class LLM(BeamSearchMixin, PoolingMixin, WeightTransferMixin, SleepAndProfilingM
             continue_final_message=continue_final_message,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            image_placeholder=self.llm_engine.image_placeholder,
+            allowed_local_media_path=self.model_config.allowed_local_media_path,
         )
 
     def _check_generate(self, method: str) -> None:

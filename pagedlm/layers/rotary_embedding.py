@@ -77,7 +77,7 @@ def compute_inv_freq(
     """Inverse frequencies and the attention scaling applied to cos/sin."""
     scaling = dict(rope_scaling or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # M-RoPE: default frequencies, split in sections
         return _default_inv_freq(base, rotary_dim), 1.0
     if rope_type == "linear":
         return _default_inv_freq(base, rotary_dim) / scaling["factor"], 1.0
@@ -145,4 +145,45 @@ def get_rope(
     base: float,
     rope_scaling: dict[str, Any] | None = None,
 ) -> RotaryEmbedding:
+    """The rotary embedding `rope_scaling` asks for; M-RoPE where it has an `mrope_section`."""
+    if rope_scaling and "mrope_section" in rope_scaling:
+        return MRotaryEmbedding(
+            head_size, rotary_dim, max_position, base, list(rope_scaling["mrope_section"])
+        )
     return RotaryEmbedding(head_size, rotary_dim, max_position, base, rope_scaling)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL family): positions [3, num_tokens] of (time, height, width);
+    rotary frequency j takes its position from section s of `mrope_section` that holds j (the
+    same sections over both halves of the NeoX layout). Positions [num_tokens] (text, where the
+    three are equal) are plain RoPE."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        mrope_section: list[int],
+    ) -> None:
+        super().__init__(head_size, rotary_dim, max_position, base)
+        if sum(mrope_section) != rotary_dim // 2:
+            raise ValueError(
+                f"mrope_section {mrope_section} must add up to half the rotary dim "
+                f"({rotary_dim // 2})."
+            )
+        section_of = torch.repeat_interleave(
+            torch.arange(len(mrope_section)), torch.tensor(mrope_section)
+        )
+        self.register_buffer("section_of", torch.cat((section_of, section_of)), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, query, key)
+        index = self.section_of.unsqueeze(0).unsqueeze(0).expand(1, positions.shape[1], -1)
+        cos = self.cos_cache[positions].gather(0, index)[0].unsqueeze(1).to(query.dtype)
+        sin = self.sin_cache[positions].gather(0, index)[0].unsqueeze(1).to(query.dtype)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -7,16 +7,22 @@ model's author reads this class to see what to provide:
 - `__init__(config, max_position, model_dir=None)`, `forward(input_ids, positions, ...)`
   returning hidden states, `load_weights(weights) -> set of loaded names`;
 - a generating model: `compute_logits(hidden_states)`;
-- a pooling model: `is_pooling_model = True` and a `pooler` module.
+- a pooling model: `is_pooling_model = True` and a `pooler` module;
+- a vision-language model: `mm_processor_cls` (its image rules, multimodal/processing.py),
+  `embed_multimodal(features)`, `embed_input_ids(input_ids)`, `forward(..., inputs_embeds=)`,
+  and with `uses_mrope` also `get_mrope_input_positions(token_ids, features)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedlm.multimodal.inputs import MultiModalFeatureSpec
 
 
 class ModelBase(nn.Module):
@@ -38,6 +44,27 @@ class ModelBase(nn.Module):
     # and each committed change calls `weights_changed_callback` (the worker tells the engine).
     weights_finalized: bool = False
     weights_changed_callback: Callable[[], None] | None = None
+
+    # images: the processor class of the model's image rules (None: a text-only model)
+    mm_processor_cls: ClassVar[type | None] = None
+    # three rotary position ids per token (Qwen2-VL family's M-RoPE)
+    uses_mrope: ClassVar[bool] = False
+    # each image's tokens attend to each other both ways (Gemma 3): an image is never split
+    # across prefill chunks
+    mm_bidirectional: ClassVar[bool] = False
+
+    def embed_multimodal(self, features: list[MultiModalFeatureSpec]) -> list[torch.Tensor]:
+        """One [num_embeds, hidden] tensor per feature: the vision encoder over them at once."""
+        raise NotImplementedError(f"{type(self).__name__} does not take images")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not take input embeddings")
+
+    def get_mrope_input_positions(
+        self, token_ids: list[int], features: list[MultiModalFeatureSpec]
+    ) -> tuple[torch.Tensor, int]:
+        """([3, len(token_ids)] positions, delta): a later token i has position i + delta."""
+        raise NotImplementedError(f"{type(self).__name__} does not use M-RoPE")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         raise NotImplementedError(f"{type(self).__name__} must implement load_weights")

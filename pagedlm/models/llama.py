@@ -186,10 +186,12 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         output_rows: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[num_tokens, hidden], or [len(output_rows), hidden]: the last layer computes only
-        the rows the step uses (worker/step_inputs.py) from its attention's queries on."""
-        hidden_states = self.embed_tokens(input_ids)
+        the rows the step uses (worker/step_inputs.py) from its attention's queries on.
+        `inputs_embeds` (images scattered into the token embeddings) replaces the lookup."""
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         hidden_states, residual = run_decoder_layers(
             self.layers, positions, hidden_states, output_rows
         )

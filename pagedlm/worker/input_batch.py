@@ -20,6 +20,7 @@ import torch
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.exceptions import blame_request
 from pagedlm.lora.request import LoRARequest
+from pagedlm.multimodal.inputs import MultiModalFeatureSpec
 from pagedlm.pooling_params import PoolingParams
 from pagedlm.sampling_params import SamplingParams
 
@@ -41,6 +42,10 @@ class CachedRequestState:
     num_prompt_logprobs_sent: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)  # its images
+    # M-RoPE: [3, num_prompt_tokens] positions of the prompt; a later token i has i + delta
+    mrope_positions: np.ndarray | None = None
+    mrope_position_delta: int = 0
 
     def __post_init__(self) -> None:
         params = self.sampling_params
@@ -202,6 +207,7 @@ class InputBatch:
                     lora_request=new.lora_request,
                     output_token_ids=list(new.output_token_ids),
                     generator=known.generator if known is not None else None,
+                    mm_features=new.mm_features,
                 )
                 if known is not None:
                     state.num_prompt_logprobs_sent = known.num_prompt_logprobs_sent

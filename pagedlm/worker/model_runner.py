@@ -44,6 +44,7 @@ from pagedlm.structured_output.bitmask import grammar_rows
 from pagedlm.utils import cdiv
 from pagedlm.worker.input_batch import CachedRequestState, InputBatch
 from pagedlm.worker.lora_model_runner_mixin import lora_step_mapping
+from pagedlm.worker.mm_runner import MultiModalRunner
 from pagedlm.worker.sampling_metadata import build_sampling_metadata
 from pagedlm.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -84,6 +85,9 @@ class ModelRunner:
         self._select_outputs = self.model.supports_output_rows
         pooler = self.model.pooler if self.model.is_pooling_model else None
         self._pool_last_row = pooler is not None and pooler.pooling_type == "LAST"
+        self.mm_runner: MultiModalRunner | None = None  # images (vision-language models)
+        if self.model.mm_processor_cls is not None:
+            self.mm_runner = MultiModalRunner(self.model)
 
     def _new_input_batch(self) -> InputBatch:
         max_len = self.model_config.max_model_len
@@ -120,6 +124,8 @@ class ModelRunner:
     def reset_requests(self) -> None:
         """Forget the batch after a failed step: the scheduler sends every request again whole."""
         self.input_batch.reset_rows()
+        if self.mm_runner is not None:
+            self.mm_runner.reset()
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.draft_probs.clear()
 
@@ -127,6 +133,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.input_batch.apply(scheduler_output)
+        if self.mm_runner is not None:
+            for new in scheduler_output.scheduled_new_reqs:
+                self.mm_runner.add_request_state(self.input_batch.requests[new.req_id])
+            self.mm_runner.run_encoders(scheduler_output, self.input_batch)
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled_req_ids:
             return output
@@ -145,6 +155,11 @@ class ModelRunner:
         if self.model.accepts_token_type_ids:
             if inputs.token_type_ids is not None:
                 kwargs["token_type_ids"] = torch.from_numpy(inputs.token_type_ids).to(device)
+        if self.mm_runner is not None:
+            if self.model.uses_mrope:
+                positions = torch.from_numpy(self.mm_runner.mrope_positions(inputs)).to(device)
+            if self.mm_runner.has_mm_tokens(inputs):
+                kwargs["inputs_embeds"] = self.mm_runner.inputs_embeds(inputs, input_ids)
         lora: AbstractContextManager = nullcontext()  # a step without adapters: the base path
         if self.lora_manager is not None:
             mapping = lora_step_mapping(self.lora_manager, self.input_batch, inputs)

@@ -242,12 +242,6 @@ REFUSED = [
         ),
         "repetition_detection",
     ),
-    (
-        lambda llm: llm.generate({"prompt": "a", "multi_modal_data": {"image": object()}}),
-        "Multimodal prompts",
-    ),
-    (lambda llm: llm.generate([PROMPT], GREEDY, mm_processor_kwargs={"a": 1}), "mm_processor"),
-    (lambda llm: llm.chat([{"role": "user", "content": "hi"}], mm_processor_kwargs={"a": 1}), "mm"),
 ]
 
 
