@@ -90,3 +90,61 @@ def make_tiny_qwen2_5_vl(path: Path, tie_word_embeddings: bool = False) -> Path:
     _redraw(model)
     model.save_pretrained(path)
     return path
+
+
+GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_TEMPLATE = QWEN_VL_TEMPLATE.replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>"
+)
+
+
+def make_tiny_gemma3_vl(path: Path, sliding_window: int = 8) -> Path:
+    """A 2-layer Gemma 3 with vision (one sliding, one global layer; 56x56 images of 16 patches
+    pooled to 4 soft tokens) and a Pillow image processor."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = build_tiny_tokenizer(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA3_TOKENS})
+    boi, eoi, soft = tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS)
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    tokenizer.save_pretrained(path)
+    Gemma3ImageProcessorPil(
+        size={"height": 56, "width": 56}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    ).save_pretrained(path)
+    config = Gemma3Config(
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=56,
+            patch_size=14,
+            vision_use_head=False,
+        ),
+        text_config=dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=512,
+            sliding_window=sliding_window,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=1024,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=soft,
+        eos_token_id=2,
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    _redraw(model)
+    model.save_pretrained(path)
+    return path

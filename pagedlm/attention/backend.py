@@ -33,6 +33,10 @@ class CommonAttentionMetadata:
     num_decodes: int  # the first num_decodes requests have query length 1
     # [num_reqs] trailing query rows whose outputs the step uses; None: every row
     output_query_lens: np.ndarray | None = None
+    # [k, 4] (request, first query row, rows, end position): those query rows attend every
+    # key before `end` (an image's tokens attending each other both ways), not only earlier
+    # ones; the keys up to `end` are in the cache once the step's keys are written
+    bidirectional_spans: np.ndarray | None = None
 
 
 def num_leading_decodes(query_lens: np.ndarray) -> int:

@@ -13,6 +13,10 @@ chunk with no cached prefix uses the fresh keys with `is_causal` (top-left = bot
 q_len == kv_len), a chunk after a cached prefix gathers its blocks and uses an explicit
 bottom-right causal mask. Sliding windows restrict keys to the last `window` positions.
 
+Bidirectional spans (backend.py; Gemma 3's images): after the causal attention, the span's
+query rows are attended again over every cached key before the span's end (within the sliding
+window), with PyTorch SDPA.
+
 Output rows (backend.py): `outputs` describes the requests' trailing rows as a batch of its own
 whose every chunk reads the cache, so both paths attend them unchanged.
 """
@@ -49,6 +53,17 @@ class PrefillChunk:
 
 
 @dataclass
+class BidirectionalSpan:
+    """Query rows [row, row + num_rows) at positions from `position` attend keys [0, end)."""
+
+    row: int
+    num_rows: int
+    position: int
+    end: int
+    block_ids: torch.Tensor  # [num_blocks_of_seq] long
+
+
+@dataclass
 class FreshPrefillGroup:
     """Prefills with no cached prefix and the same length: one batched causal call."""
 
@@ -81,6 +96,7 @@ class CPUAttentionMetadata:
     prefill_block_table: torch.Tensor | None = None  # [num_prefills, max_blocks]
     # the output rows' attention (backend.py), every chunk read from the cache; None: all rows
     outputs: CPUAttentionMetadata | None = None
+    bidirectional: list[BidirectionalSpan] = field(default_factory=list)
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -125,6 +141,15 @@ class CPUAttentionBackend(AttentionBackend):
 
     def build(self, common: CommonAttentionMetadata, device: torch.device) -> CPUAttentionMetadata:
         metadata = self._build(common, device, fresh_keys=True)
+        spans = common.bidirectional_spans
+        if spans is not None:
+            assert common.output_query_lens is None, "bidirectional spans need every row"
+            seq_starts = common.seq_lens - np.diff(common.query_start_loc)
+            for request, row, num_rows, end in spans.tolist():
+                position = int(seq_starts[request]) + row - int(common.query_start_loc[request])
+                block_ids = torch.from_numpy(common.block_table[request]).to(device)
+                span = BidirectionalSpan(row, num_rows, position, end, block_ids)
+                metadata.bidirectional.append(span)
         lens = common.output_query_lens
         if lens is not None:
             kept = np.flatnonzero(lens)  # requests with output rows, in batch order
@@ -200,6 +225,55 @@ class CPUAttentionBackend(AttentionBackend):
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         """`k_scale`/`v_scale`: the per-tensor scales of an fp8 cache (ignored otherwise)."""
+        out = self._forward_causal(
+            query, key, value, kv_cache, metadata, scale, sliding_window, k_scale, v_scale
+        )
+        for span in metadata.bidirectional:
+            out[span.row : span.row + span.num_rows] = self._attend_span(
+                query, kv_cache, span, scale, sliding_window, k_scale, v_scale
+            )
+        return out
+
+    @staticmethod
+    def _attend_span(
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        span: BidirectionalSpan,
+        scale: float,
+        sliding_window: int | None,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
+        """The span's rows over every cached key before its end (within the window)."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        block_size = k_cache.shape[1]
+        q = query[span.row : span.row + span.num_rows].transpose(0, 1).unsqueeze(0)
+        ids = span.block_ids[: (span.end + block_size - 1) // block_size]
+        k = k_cache[ids].flatten(0, 1)[: span.end].transpose(0, 1).unsqueeze(0)
+        v = v_cache[ids].flatten(0, 1)[: span.end].transpose(0, 1).unsqueeze(0)
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
+        mask = None
+        if sliding_window is not None:
+            q_pos = torch.arange(span.position, span.position + span.num_rows, device=q.device)
+            mask = (
+                torch.arange(span.end, device=q.device)[None, :] > q_pos[:, None] - sliding_window
+            )
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _forward_causal(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CPUAttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
+        """Write the step's keys and values to the cache, then causal attention (`forward`)."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
         flat_k = k_cache.view(-1, num_kv_heads, head_size)

@@ -155,9 +155,14 @@ class Gemma3Model(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         output_rows: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        hidden_states = hidden_states * self.normalizer.to(hidden_states.dtype)
+        """`inputs_embeds`: already scaled embeddings (images scattered in) replace the lookup."""
+        if inputs_embeds is None:
+            hidden_states = self.embed_tokens(input_ids)
+            hidden_states = hidden_states * self.normalizer.to(hidden_states.dtype)
+        else:
+            hidden_states = inputs_embeds
         hidden_states, residual = run_decoder_layers(
             self.layers, positions, hidden_states, output_rows
         )

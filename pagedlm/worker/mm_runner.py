@@ -95,6 +95,21 @@ class MultiModalRunner:
                 embeds[row0 + lo - start : row0 + hi - start] = rows.to(embeds.dtype)
         return embeds
 
+    def bidirectional_spans(self, inputs: StepInputs) -> np.ndarray | None:
+        """[k, 4] (request, first row, rows, end position) of the image tokens the step
+        computes (attention/backend.py), for a model whose image tokens attend both ways."""
+        spans = []
+        qsl = inputs.attn.query_start_loc
+        for i, state in enumerate(inputs.states):
+            row0, n = int(qsl[i]), int(qsl[i + 1] - qsl[i])
+            start = int(inputs.positions[row0])
+            for _, feature in features_in(state.mm_features, start, start + n):
+                position = feature.mm_position
+                lo, hi = max(start, position.offset), min(start + n, position.end)
+                assert hi == position.end, "an image cut by a chunk (disable_chunked_mm_input)"
+                spans.append((i, row0 + lo - start, hi - lo, position.end))
+        return np.asarray(spans, dtype=np.int64) if spans else None
+
     def mrope_positions(self, inputs: StepInputs) -> np.ndarray:
         """[3, num_tokens] positions, or [num_tokens] when every token has equal three (text
         tokens: then M-RoPE is plain RoPE and the 1-D kernels apply)."""

@@ -150,7 +150,6 @@ class ModelRunner:
         device = self.device
         input_ids = torch.from_numpy(inputs.input_ids).to(device)
         positions = torch.from_numpy(inputs.positions).to(device)
-        attn_metadata = self.attn_backend.build(inputs.attn, device)
         kwargs = {}
         if self.model.accepts_token_type_ids:
             if inputs.token_type_ids is not None:
@@ -160,6 +159,9 @@ class ModelRunner:
                 positions = torch.from_numpy(self.mm_runner.mrope_positions(inputs)).to(device)
             if self.mm_runner.has_mm_tokens(inputs):
                 kwargs["inputs_embeds"] = self.mm_runner.inputs_embeds(inputs, input_ids)
+                if self.model.mm_bidirectional:
+                    inputs.attn.bidirectional_spans = self.mm_runner.bidirectional_spans(inputs)
+        attn_metadata = self.attn_backend.build(inputs.attn, device)
         lora: AbstractContextManager = nullcontext()  # a step without adapters: the base path
         if self.lora_manager is not None:
             mapping = lora_step_mapping(self.lora_manager, self.input_batch, inputs)
