@@ -101,6 +101,8 @@ def _make_metrics() -> dict[str, Any]:
         (c, "vllm:num_preemptions", "Cumulative number of preemptions.", None),
         (c, "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", None),
         (c, "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", None),
+        (c, "vllm:mm_cache_queries", "Multi-modal cache queries, in items.", None),
+        (c, "vllm:mm_cache_hits", "Multi-modal cache hits, in items.", None),
         (h, "vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS),
         (h, "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", _ITL_BUCKETS),
         (
@@ -202,7 +204,9 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    spec_decoding: Any = None  # core.scheduler.SpecDecodingStats, when speculative decoding
+    spec_decoding: Any = None
+    mm_cache_queries: int = 0  # processed-image cache lookups since the last record, items
+    mm_cache_hits: int = 0  # core.scheduler.SpecDecodingStats, when speculative decoding
 
 
 class PrometheusStatLogger:
@@ -245,6 +249,8 @@ class PrometheusStatLogger:
         m["vllm:kv_cache_usage_perc"].set(sched.kv_cache_usage)
         m["vllm:prefix_cache_queries"].inc(sched.prefix_cache_queries)
         m["vllm:prefix_cache_hits"].inc(sched.prefix_cache_hits)
+        m["vllm:mm_cache_queries"].inc(sched.mm_cache_queries)
+        m["vllm:mm_cache_hits"].inc(sched.mm_cache_hits)
         m["vllm:num_preemptions"].inc(sched.num_preemptions)
         spec = sched.spec_decoding
         if spec is not None:

@@ -132,6 +132,10 @@ class AsyncLLM:
         async with self._lock():
             return self.engine.reset_prefix_cache()
 
+    async def reset_mm_cache(self) -> None:
+        async with self._lock():
+            self.engine.reset_mm_cache()
+
     # ----------------------------------------------------------------- sleep
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """`LLMEngine.sleep`; requests that finish while mode="wait" drains reach their

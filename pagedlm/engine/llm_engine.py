@@ -314,6 +314,8 @@ class LLMEngine:
         prefix = self.kv_cache_manager.prefix_cache_stats.reset()
         preemptions = self.scheduler.num_preemptions - self._num_preemptions_logged
         self._num_preemptions_logged = self.scheduler.num_preemptions
+        processor = self.input_processor.mm_processor
+        mm_queries, mm_hits = processor.cache.take_stats() if processor is not None else (0, 0)
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -321,6 +323,8 @@ class LLMEngine:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=preemptions,
+            mm_cache_queries=mm_queries,
+            mm_cache_hits=mm_hits,
             spec_decoding=self.scheduler.spec_decoding_stats.reset()
             if self.vllm_config.speculative_config is not None
             else None,

@@ -62,6 +62,12 @@ class ProcessorCache:
         self._items[key] = data
         self._bytes += size
 
+    def take_stats(self) -> tuple[int, int]:
+        """(queries, hits) since the last call."""
+        stats = (self.queries, self.hits)
+        self.queries = self.hits = 0
+        return stats
+
     def clear(self) -> None:
         self._items.clear()
         self._bytes = 0
