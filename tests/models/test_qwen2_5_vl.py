@@ -135,3 +135,21 @@ def test_prefix_cache_keys_on_the_image(qwen_vl):
     )
     assert same[0].num_cached_tokens > image_start  # the image's blocks are shared
     assert other[0].num_cached_tokens <= image_start  # only the text before the image
+
+
+def test_tensor_parallel_and_int8(qwen_vl):
+    """The text decoder shards over two ranks (the vision tower is replicated on each) and
+    takes the int8 linear method; images reach every rank through the boundary's plain data."""
+    requests = _requests(CASES)
+    _, expected = _run(qwen_vl, requests)
+    _, sharded = _run(qwen_vl, requests, tensor_parallel_size=2)
+    for a, b in zip(expected, sharded, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    llm, quantized = _run(qwen_vl, requests, quantization="int8")
+    (method,) = llm.apply_model(
+        lambda model: type(model.language_model.model.layers[0].mlp.down_proj.quant_method).__name__
+    )
+    assert method != "UnquantizedLinearMethod"
+    for a, b in zip(expected, quantized, strict=True):
+        first = next(iter(a.outputs[0].logprobs[0].values())).logprob
+        assert abs(next(iter(b.outputs[0].logprobs[0].values())).logprob - first) < 0.3
