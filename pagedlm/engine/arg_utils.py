@@ -330,6 +330,13 @@ class EngineArgs:
             disable_chunked_mm_input=self.disable_chunked_mm_input or model_cls.mm_bidirectional,
         )
         parallel_config = self.create_parallel_config(hf_config)
+        if model_config.multimodal_config is not None and (
+            self.speculative_config or self.enable_lora
+        ):
+            raise NotImplementedError(
+                "Speculative decoding and LoRA adapters on vision-language models are not "
+                "supported by pagedlm yet."
+            )
         speculative_config = None
         if self.speculative_config:
             if pooling:

@@ -112,6 +112,10 @@ class BeamSearchMixin:
         """A token prompt dict (``prompt_token_ids`` plus the original text and cache salt)."""
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             raise NotImplementedError("Embedding prompt not supported for beam search")
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise NotImplementedError(
+                "Images in beam search are not supported by pagedlm; use LLM.generate."
+            )
         processor = self.llm_engine.input_processor
         text, token_ids, cache_salt = processor.tokenize_prompt(prompt)
         rendered: dict[str, Any] = {"prompt_token_ids": token_ids}

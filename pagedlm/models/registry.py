@@ -80,6 +80,11 @@ class ModelRegistry:
                 f"{', '.join(ModelRegistry.get_supported_archs())}."
             )
         causal = _load(*_MODELS[architecture])
+        if (runner == "pooling" or convert in ("embed", "classify")) and causal.mm_processor_cls:
+            raise NotImplementedError(
+                f"{architecture} as a pooling model (runner='pooling', convert=...) is not "
+                "supported by pagedlm; vision-language models generate."
+            )
         if runner == "pooling" or convert in ("embed", "classify"):
             if convert == "classify":
                 return as_seq_cls_model(causal), "pooling", "classify"

@@ -227,3 +227,20 @@ def test_numpy_images_and_undecodable_bytes(llm):
     with pytest.raises(ValueError):
         llm.generate({"prompt": prompt(), "multi_modal_data": {"image": buffer}}, GREEDY)
     _serves(llm)
+
+
+def test_what_images_do_not_combine_with_is_refused_by_name(qwen_vl, llm):
+    from pagedlm.sampling_params import BeamSearchParams
+
+    request = {"prompt": prompt(), "multi_modal_data": {"image": random_image(56, 56)}}
+    with pytest.raises(NotImplementedError, match="beam search"):
+        llm.beam_search([request], BeamSearchParams(beam_width=2, max_tokens=2))
+    for option in (
+        dict(enable_lora=True),
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+    ):
+        with pytest.raises(NotImplementedError, match="vision-language"):
+            EngineArgs(model=str(qwen_vl), **option).create_engine_config()
+    with pytest.raises(NotImplementedError, match="pooling"):
+        LLM(str(qwen_vl), dtype="float32", max_model_len=512, runner="pooling")
+    _serves(llm)
