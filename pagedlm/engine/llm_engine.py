@@ -156,6 +156,7 @@ class LLMEngine:
             internal_id, prompt, params, arrival_time, priority, tokenization_kwargs
         )
         request.lora_request = lora_request
+        self._check_images_fit(request)
         if prompt_text is not None:
             request.prompt = prompt_text
         params = request.sampling_params
@@ -174,6 +175,21 @@ class LLMEngine:
             )
             self._add_core_request(child, request_id, parent, index)
         return internal_id
+
+    def _check_images_fit(self, request: EngineCoreRequest) -> None:
+        """With `disable_chunked_mm_input` an image is scheduled in one step: it must fit the
+        token budget."""
+        config = self.vllm_config.scheduler_config
+        if not (config.disable_chunked_mm_input and request.mm_features):
+            return
+        biggest = max(f.num_embeds for f in request.mm_features)
+        if biggest > config.max_num_batched_tokens:
+            raise ValueError(
+                f"An image of this prompt takes {biggest} tokens, more than "
+                f"max_num_batched_tokens={config.max_num_batched_tokens}, and images are "
+                "scheduled whole (disable_chunked_mm_input); raise max_num_batched_tokens or "
+                "pass smaller images (mm_processor_kwargs)."
+            )
 
     def _add_core_request(
         self,

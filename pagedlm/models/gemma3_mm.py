@@ -76,6 +76,10 @@ class Gemma3ForConditionalGeneration(ModelBase):
             inputs_embeds = self.embed_input_ids(input_ids)
         return self.language_model.model(input_ids, positions, None, inputs_embeds)
 
+    @property
+    def text_model(self) -> ModelBase:
+        return self.language_model
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.language_model.compute_logits(hidden_states)
 

@@ -53,6 +53,12 @@ class ModelBase(nn.Module):
     # across prefill chunks
     mm_bidirectional: ClassVar[bool] = False
 
+    @property
+    def text_model(self) -> nn.Module:
+        """The text decoder (a vision-language model's language model): what a decode step
+        of text tokens runs, the decode plan's model (llama_decode_plan.py)."""
+        return self
+
     def embed_multimodal(self, features: list[MultiModalFeatureSpec]) -> list[torch.Tensor]:
         """One [num_embeds, hidden] tensor per feature: the vision encoder over them at once."""
         raise NotImplementedError(f"{type(self).__name__} does not take images")

@@ -62,6 +62,10 @@ class Qwen2_5_VLForConditionalGeneration(ModelBase):
     ) -> torch.Tensor:
         return self.language_model.model(input_ids, positions, output_rows, inputs_embeds)
 
+    @property
+    def text_model(self) -> ModelBase:
+        return self.language_model
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
 

@@ -168,7 +168,12 @@ class ModelRunner:
             if mapping is not None:
                 lora = activate_lora(self.lora_manager.layers, mapping)
         plan = None
-        if not kwargs and isinstance(lora, nullcontext) and self.proposer is None:
+        if (
+            not kwargs
+            and isinstance(lora, nullcontext)
+            and self.proposer is None
+            and positions.dim() == 1
+        ):
             plan = self._decode_plan(input_ids.shape[0], attn_metadata)
         output_rows = None
         if inputs.output_rows is not None:
@@ -205,9 +210,9 @@ class ModelRunner:
         the model supports them (models/llama_decode_plan.py); None: run the modules."""
         if self._plan_rows is None:
             supported = not envs.PAGEDLM_DISABLE_DECODE_PLAN and LlamaDecodePlan.supports(
-                self.model
+                self.model.text_model
             )
-            self._plan_rows = LlamaDecodePlan.max_rows(self.model) if supported else 0
+            self._plan_rows = LlamaDecodePlan.max_rows(self.model.text_model) if supported else 0
             self._plan_buffers, self._decode_plans = None, {}
         decode_only = getattr(attn_metadata, "num_decode_tokens", -1) == num_tokens
         if not (decode_only and num_tokens <= self._plan_rows):
@@ -216,8 +221,9 @@ class ModelRunner:
         if plan is None or not plan.current():
             if self._plan_buffers is None:
                 max_blocks = cdiv(self.model_config.max_model_len, self.block_size)
-                self._plan_buffers = DecodeBuffers(self.model, self._plan_rows, max_blocks)
-            plan = LlamaDecodePlan(self.model, num_tokens, self._plan_buffers)
+                text_model = self.model.text_model
+                self._plan_buffers = DecodeBuffers(text_model, self._plan_rows, max_blocks)
+            plan = LlamaDecodePlan(self.model.text_model, num_tokens, self._plan_buffers)
             self._decode_plans[num_tokens] = plan
         return plan
 

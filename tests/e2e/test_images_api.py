@@ -152,6 +152,9 @@ def test_disable_chunked_mm_input_never_cuts_an_image(qwen_vl):
         disable_chunked_mm_input=True,
     )
     assert _tokens(llm.generate(requests, GREEDY)) == _tokens(expected)
+    big = {"prompt": prompt(1), "multi_modal_data": {"image": random_image(400, 400)}}
+    with pytest.raises(ValueError, match="max_num_batched_tokens=80"):
+        llm.generate(big, GREEDY)
 
 
 def test_n_enqueue_engine_and_async_paths(qwen_vl, llm):

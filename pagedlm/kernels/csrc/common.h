@@ -111,8 +111,11 @@ static inline float exp_clamped(float x) {
   return p * scale.f;
 }
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // every x86 SIMD path (AVX2 included) takes its intrinsics from here
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define PAGEDLM_AVX512 1
 
 static inline __m512 load16(const void* base, int64_t offset, int bf16) {
