@@ -113,6 +113,22 @@ class CPUAttentionMetadata:
         return self._masks[key]
 
 
+def gather_kv(
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    k_scale: float,
+    v_scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `seq_len` keys and values from the paged cache, [1, kv_heads,
+    seq_len, d] each, dequantized to `dtype`."""
+    block_size = kv_cache.shape[2]
+    ids = block_ids[: (seq_len + block_size - 1) // block_size]
+    k, v = (c[ids].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0) for c in kv_cache)
+    return dequantize_kv(k, k_scale, dtype), dequantize_kv(v, v_scale, dtype)
+
+
 def causal_mask(query_len: int, seq_len: int, window: int | None, device: torch.device):
     """Bottom-right aligned causal mask [query_len, seq_len] (True = attend)."""
     q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
@@ -245,13 +261,8 @@ class CPUAttentionBackend(AttentionBackend):
         v_scale: float,
     ) -> torch.Tensor:
         """The span's rows over every cached key before its end (within the window)."""
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        block_size = k_cache.shape[1]
         q = query[span.row : span.row + span.num_rows].transpose(0, 1).unsqueeze(0)
-        ids = span.block_ids[: (span.end + block_size - 1) // block_size]
-        k = k_cache[ids].flatten(0, 1)[: span.end].transpose(0, 1).unsqueeze(0)
-        v = v_cache[ids].flatten(0, 1)[: span.end].transpose(0, 1).unsqueeze(0)
-        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
+        k, v = gather_kv(kv_cache, span.block_ids, span.end, k_scale, v_scale, q.dtype)
         mask = None
         if sliding_window is not None:
             q_pos = torch.arange(span.position, span.position + span.num_rows, device=q.device)
@@ -333,11 +344,7 @@ class CPUAttentionBackend(AttentionBackend):
         for chunk in metadata.prefills:
             s, n = chunk.query_start, chunk.query_len
             q = query[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-            nb = (chunk.seq_len + block_size - 1) // block_size
-            ids = chunk.block_ids[:nb]
-            k = k_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
-            v = v_cache[ids].flatten(0, 1)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
-            k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
+            k, v = gather_kv(kv_cache, chunk.block_ids, chunk.seq_len, k_scale, v_scale, q.dtype)
             mask = causal_mask(n, chunk.seq_len, sliding_window, query.device)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=True

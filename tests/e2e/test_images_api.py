@@ -148,12 +148,12 @@ def test_disable_chunked_mm_input_never_cuts_an_image(qwen_vl):
         str(qwen_vl),
         dtype="float32",
         max_model_len=512,
-        max_num_batched_tokens=80,
+        max_num_batched_tokens=40,
         disable_chunked_mm_input=True,
     )
     assert _tokens(llm.generate(requests, GREEDY)) == _tokens(expected)
     big = {"prompt": prompt(1), "multi_modal_data": {"image": random_image(400, 400)}}
-    with pytest.raises(ValueError, match="max_num_batched_tokens=80"):
+    with pytest.raises(ValueError, match="max_num_batched_tokens=40"):
         llm.generate(big, GREEDY)
 
 

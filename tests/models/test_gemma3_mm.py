@@ -106,17 +106,11 @@ def _causal_rows(query, kv_cache, span, scale, window, k_scale, v_scale):
     """The span's rows attended causally (what the backend computes without spans)."""
     import torch.nn.functional as F
 
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    block_size = k_cache.shape[1]
+    from pagedlm.attention.cpu_attn import causal_mask, gather_kv
+
     q = query[span.row : span.row + span.num_rows].transpose(0, 1).unsqueeze(0)
-    ids = span.block_ids[: (span.end + block_size - 1) // block_size]
-    k = k_cache[ids].flatten(0, 1)[: span.end].transpose(0, 1).unsqueeze(0)
-    v = v_cache[ids].flatten(0, 1)[: span.end].transpose(0, 1).unsqueeze(0)
-    q_pos = torch.arange(span.position, span.position + span.num_rows)[:, None]
-    k_pos = torch.arange(span.end)[None, :]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
+    k, v = gather_kv(kv_cache, span.block_ids, span.end, k_scale, v_scale, q.dtype)
+    mask = causal_mask(span.num_rows, span.end, window, q.device)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
