@@ -32,33 +32,75 @@ def detect_content_format(template: str | None) -> str:
     return "string"
 
 
-def _validate(conversation: Any, content_format: str = "string") -> list[dict[str, Any]]:
-    """Messages with their content as a string ("string": text parts joined by newlines) or
-    as a list of text parts ("openai")."""
+_REFUSED_PARTS = ("video_url", "video", "input_audio", "audio_url", "audio", "image_embeds")
+
+
+def _image_of(part: dict[str, Any], allowed_local_media_path: str) -> Any:
+    """The PIL image of an image content part (fetched or decoded now)."""
+    from pagedlm.multimodal.image import fetch_image, to_pil_images
+
+    kind = part["type"]
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        return fetch_image(url, allowed_local_media_path=allowed_local_media_path)
+    (image,) = to_pil_images(part.get(kind))  # image_pil / image: a PIL image or an array
+    return image
+
+
+def _validate(
+    conversation: Any,
+    content_format: str = "string",
+    image_placeholder: str | None = None,
+    allowed_local_media_path: str = "",
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(messages with their content as a string ("string": text parts joined by newlines, the
+    model's image placeholder before them per image) or as a list of parts ("openai": image
+    parts become {"type": "image"}), the images in order)."""
     if not isinstance(conversation, list) or not conversation:
         raise ValueError("A conversation must be a non-empty list of message dicts.")
-    out = []
+    out, images = [], []
     for i, message in enumerate(conversation):
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"Message {i} must be a dict with a 'role', got {message!r:.100}")
         content = message.get("content")
         if isinstance(content, list):
-            texts = []
+            texts, parts, num_images = [], [], 0
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or "text" not in part:
-                    raise ValueError(
-                        f"Message {i}: only {{'type': 'text', 'text': ...}} content parts are "
-                        f"supported, got {part!r:.100}"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and "text" in part:
+                    texts.append(part["text"])
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind in ("image_url", "image_pil", "image"):
+                    images.append(_image_of(part, allowed_local_media_path))
+                    parts.append({"type": "image"})
+                    num_images += 1
+                elif kind in _REFUSED_PARTS:
+                    raise NotImplementedError(
+                        f"Message {i}: {kind!r} content parts are not supported by pagedlm "
+                        "(text and image parts are)."
                     )
-                texts.append(part["text"])
-            content = "\n".join(texts) if content_format == "string" else content
+                else:
+                    raise ValueError(
+                        f"Message {i}: content parts must be text ({{'type': 'text', 'text': "
+                        f"...}}) or images (image_url, image_pil), got {part!r:.100}"
+                    )
+            if content_format == "string":
+                if num_images and image_placeholder is None:
+                    raise ValueError(
+                        f"Message {i} has an image but this model has no image placeholder "
+                        "(it does not take images)."
+                    )
+                content = "\n".join([image_placeholder] * num_images + texts)
+            else:
+                content = parts
             message = {**message, "content": content}
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"Message {i}: content must be a string or a list of parts.")
         elif content is not None and content_format == "openai":
             message = {**message, "content": [{"type": "text", "text": content}]}
         out.append(message)
-    return out
+    return out, images
 
 
 def render_conversations(
@@ -71,8 +113,13 @@ def render_conversations(
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_template_content_format: str = "auto",
+    image_placeholder: str | None = None,
+    allowed_local_media_path: str = "",
 ) -> list[TokensPrompt]:
-    """One conversation (a list of dicts) or a list of them -> token prompts."""
+    """One conversation (a list of dicts) or a list of them -> token prompts; a conversation
+    with images gets `multi_modal_data={"image": [...]}` (`image_placeholder`: the model's
+    text per image for string-format templates; file:// images only under
+    `allowed_local_media_path`)."""
     if chat_template_content_format not in CONTENT_FORMATS:
         raise ValueError(
             f"chat_template_content_format must be one of {CONTENT_FORMATS}, got "
@@ -94,9 +141,12 @@ def render_conversations(
     conversations = [messages] if single else list(messages)
     prompts: list[TokensPrompt] = []
     for conversation in conversations:
+        messages, images = _validate(
+            conversation, content_format, image_placeholder, allowed_local_media_path
+        )
         try:
             text = tokenizer.apply_chat_template(
-                _validate(conversation, content_format),
+                messages,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -111,7 +161,10 @@ def render_conversations(
                 "or pass a working one as chat_template=."
             ) from e
         token_ids = tokenizer.encode(text, add_special_tokens=False)
-        prompts.append(TokensPrompt(prompt_token_ids=token_ids, prompt=text))
+        prompt = TokensPrompt(prompt_token_ids=token_ids, prompt=text)
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        prompts.append(prompt)
     return prompts
 
 

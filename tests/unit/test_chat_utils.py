@@ -48,7 +48,7 @@ def test_text_parts_options_and_custom_template(tokenizer) -> None:
         ([{"role": "user", "content": 5}], "content must be a string"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
-            "only .* content parts are supported",
+            "HTTP, data or file URL",
         ),
     ],
 )
