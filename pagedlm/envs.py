@@ -86,6 +86,12 @@ _VARS = [
         "KV cache size in GiB (vLLM-CPU's legacy knob; kv_cache_memory_bytes wins).",
     ),
     EnvVar("VLLM_MAX_N_SEQUENCES", 16384, int, "Largest SamplingParams.n accepted."),
+    EnvVar(
+        "VLLM_IMAGE_FETCH_TIMEOUT",
+        5.0,
+        float,
+        "Seconds an http(s) image URL of a chat message may take to download.",
+    ),
     EnvVar("PYTHONHASHSEED", None, str, "Makes prefix-cache block hashes reproducible."),
     EnvVar("VLLM_DP_RANK", 0, int, "Data-parallel rank of this engine process."),
     EnvVar("VLLM_DP_SIZE", 1, int, "Number of data-parallel engine processes."),
