@@ -222,8 +222,12 @@ def prepare_chat(body: dict[str, Any], ctx: ServingContext) -> PreparedRequest:
             continue_final_message=continue_final,
             tools=tools,
             chat_template_kwargs=kwargs,
+            image_placeholder=ctx.engine.image_placeholder,
+            allowed_local_media_path=ctx.engine.model_config.allowed_local_media_path,
         )
-    except Exception as e:  # bad messages, or the template rejects the conversation
+    except NotImplementedError as e:  # video or audio parts
+        raise RequestError(str(e)) from e
+    except Exception as e:  # bad messages or images, or the template rejects the conversation
         raise RequestError(f"Cannot apply the chat template: {e}") from e
     prompt_len = len(prompt["prompt_token_ids"])
     logprobs = _field(body, "logprobs", "bool")
