@@ -78,3 +78,21 @@ def test_pipe_slots_source_compiles(tmp_path) -> None:
     )
     assert build.returncode == 0, build.stderr
     assert pipe_slots.source().count("BENCH(b") == len(pipe_slots.OPERATIONS) + 1
+
+
+def test_vl_shape_is_qwen2_5_vl_3b() -> None:
+    """The random-weight Qwen2.5-VL-3B directory has the published model's 3,754,622,976
+    parameters (embeddings tied) under its checkpoint names, and its vision token ids."""
+    import math
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        shaped = importlib.import_module("make_shaped_vl_model")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    config = shaped.make_config("3b")
+    specs = list(shaped.tensor_specs(config))
+    assert sum(math.prod(shape) for _, shape, _ in specs) == 3_754_622_976
+    assert {name.split(".")[0] for name, _, _ in specs} == {"model", "visual"}
+    assert (config.image_token_id, config.vision_start_token_id) == (151655, 151652)
+    assert config.text_config.rope_parameters["mrope_section"] == [16, 24, 24]
