@@ -22,6 +22,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.kernels.cpu import cpu_kernels
+from pagedlm.layers.quantization.gguf import GEMV_ROWS
 from pagedlm.layers.quantization.int8 import quantize_per_channel
 from pagedlm.model_loader.gguf_reader import GGUFFile
 from tests.e2e.test_tensor_parallel import _prompts
@@ -42,10 +44,16 @@ MIXED = {
 TOP5 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
 # per-token logprob difference the int8 activations may cause on these tiny models
 ACTIVATION_QUANT_LOGPROB = 0.05
+# Without AVX-512 VNNI (AVX2: the portable GEMV) there is no integer GEMM: a step of more than
+# GEMV_ROWS rows multiplies dequantized weights in float, exactly the reference's values, so
+# eight sequences at once would never reach the integer kernels. There, every run decodes
+# GEMV_ROWS sequences at a time (prefill stays dequantized), through the integer GEMV.
+_LIB = cpu_kernels()
+BATCH = {} if _LIB is None or _LIB.gguf_gemm_compiled() else {"max_num_seqs": GEMV_ROWS}
 
 
 def _generate(model, **kwargs) -> list:
-    llm = LLM(str(model), dtype="float32", max_model_len=128, **kwargs)
+    llm = LLM(str(model), dtype="float32", max_model_len=128, **BATCH, **kwargs)
     try:
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         return [o.outputs[0] for o in llm.generate(prompts, TOP5, use_tqdm=False)]
@@ -113,7 +121,7 @@ def test_int8_matches_its_fake_quantized_weights(tiny_model_factory, tied, tmp_p
     model = tiny_model_factory("qwen2", tie_word_embeddings=tied)
     fake = _fake_quantized(model, tmp_path / "fake-int8", with_head=True)
     want = _generate(fake, tokenizer=str(model))
-    llm = LLM(str(model), dtype="float32", max_model_len=128, quantization="int8")
+    llm = LLM(str(model), dtype="float32", max_model_len=128, quantization="int8", **BATCH)
     try:
         inner = llm.llm_engine.model_executor.driver_worker.model_runner.model
         assert inner.lm_head.weight is None
@@ -157,7 +165,7 @@ def test_compressed_tensors_checkpoint_against_transformers(w8a8_checkpoint) -> 
 
     prompts = _prompts()
     want_tokens, want_logprobs = hf_greedy(w8a8_checkpoint, prompts)
-    llm = LLM(str(w8a8_checkpoint), dtype="float32", max_model_len=128)
+    llm = LLM(str(w8a8_checkpoint), dtype="float32", max_model_len=128, **BATCH)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     compared = 0

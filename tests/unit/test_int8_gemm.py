@@ -69,6 +69,19 @@ def test_amx_int8_gemm_equals_its_twin(m, n, k, dtype) -> None:
     _check(kg.gguf_gemm(x, packed, bias), q, scale, x, bias, kg.amx_act_block(k))
 
 
+@pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_portable_gemv_on_the_int8_layout(m, dtype) -> None:
+    """The GEMV every ISA has (AVX2 machines decode with it): fp32 per-channel scales, an
+    all-zero channel, an outlier activation channel, bf16 rounding; and the dequantized rows
+    the no-VNNI prefill path multiplies in float are exactly the twin's."""
+    packed, q, scale, x, bias = _case(m, 48, 384, dtype)
+    _check(kg.gguf_gemv(x, packed, bias, isa="portable"), q, scale, x, bias, 32)
+    got = kg.gguf_dequantize_rows(packed, 3, 40, torch.float32)
+    assert torch.equal(got, dequantize_packed(packed)[3:40])
+
+
 @needs_vnni
 @pytest.mark.parametrize("m", [1, 3, 9, 40])  # GEMV, then the VNNI GEMM
 def test_vnni_kernels_on_the_int8_layout(m) -> None:
