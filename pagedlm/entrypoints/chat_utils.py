@@ -44,8 +44,23 @@ def _image_of(part: dict[str, Any], allowed_local_media_path: str) -> Any:
         url = part.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
         return fetch_image(url, allowed_local_media_path=allowed_local_media_path)
-    (image,) = to_pil_images(part.get(kind))  # image_pil / image: a PIL image or an array
-    return image
+    images = to_pil_images(part.get(kind))  # image_pil / image: a PIL image or an array
+    if len(images) != 1:
+        raise ValueError(f"An {kind!r} content part holds one image, got {len(images)}.")
+    return images[0]
+
+
+def _string_content(texts: list[str], num_images: int, image_placeholder: str, i: int) -> str:
+    """vLLM's rule: the texts joined by newlines, after a placeholder per image that the text
+    does not already hold."""
+    text = "\n".join(texts)
+    missing = num_images - text.count(image_placeholder)
+    if missing < 0:
+        raise ValueError(
+            f"Message {i}: found more {image_placeholder!r} placeholders in the text than "
+            f"images ({num_images})."
+        )
+    return "\n".join([image_placeholder] * missing + ([text] if text else []))
 
 
 def _validate(
@@ -91,7 +106,11 @@ def _validate(
                         f"Message {i} has an image but this model has no image placeholder "
                         "(it does not take images)."
                     )
-                content = "\n".join([image_placeholder] * num_images + texts)
+                content = (
+                    _string_content(texts, num_images, image_placeholder, i)
+                    if num_images
+                    else "\n".join(texts)
+                )
             else:
                 content = parts
             message = {**message, "content": content}

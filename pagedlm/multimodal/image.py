@@ -159,8 +159,8 @@ def _to_uint8(array: np.ndarray, where: str) -> np.ndarray:
 
 
 def _array_to_pil(array: np.ndarray, where: str) -> Image.Image:
-    """(H, W), (H, W, C) or (C, H, W) with C in 1, 3, 4 -> a PIL image."""
-    if array.ndim == 3 and array.shape[-1] not in (1, 3, 4) and array.shape[0] in (1, 3, 4):
+    """(H, W), (H, W, C) with C in 1, 3, 4, or (C, H, W) with C in 1, 3 -> a PIL image."""
+    if array.ndim == 3 and array.shape[-1] not in (1, 3, 4) and array.shape[0] in (1, 3):
         array = array.transpose(1, 2, 0)  # channels first
     if array.ndim == 3 and array.shape[-1] == 1:
         array = array[..., 0]
