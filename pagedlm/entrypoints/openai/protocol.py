@@ -228,7 +228,7 @@ def prepare_chat(body: dict[str, Any], ctx: ServingContext) -> PreparedRequest:
     except NotImplementedError as e:  # video or audio parts
         raise RequestError(str(e)) from e
     except Exception as e:  # bad messages or images, or the template rejects the conversation
-        raise RequestError(f"Cannot apply the chat template: {e}") from e
+        raise RequestError(f"Cannot render the messages: {e}") from e
     prompt_len = len(prompt["prompt_token_ids"])
     logprobs = _field(body, "logprobs", "bool")
     top_logprobs = _field(body, "top_logprobs", "int")
