@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,18 +84,14 @@ class MultiModalConfig:
 
 @dataclass
 class ModelConfig(ModelArchQueries):
-    """The model, its tokenizer, dtype and length limit.
-
-    EngineArgs builds it whole. Built vLLM's way, `ModelConfig(model=..., dtype=...)` without
-    `hf_config` (Ray Data LLM's multimodal stage does), the rest is resolved as
-    EngineArgs.create_engine_config() resolves it."""
+    """The model, its tokenizer, dtype and length limit."""
 
     model: str
-    model_path: str = ""
-    tokenizer: str = ""
-    hf_config: Any = None
-    dtype: torch.dtype | str = "auto"
-    max_model_len: int = 0
+    model_path: str
+    tokenizer: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
     seed: int | None = 0
     revision: str | None = None
     tokenizer_revision: str | None = None
@@ -117,32 +113,6 @@ class ModelConfig(ModelArchQueries):
     return_sampling_mask: bool = False  # CompletionOutput.sampling_mask for every request
     multimodal_config: MultiModalConfig | None = None  # set for vision-language models
     allowed_local_media_path: str = ""  # file:// images are read only under this directory
-
-    _ENGINE_ARGS = (
-        "model", "seed", "revision", "tokenizer_revision", "trust_remote_code",
-        "skip_tokenizer_init", "tokenizer_mode", "max_logprobs", "logprobs_mode",
-        "generation_config", "override_generation_config", "load_format", "enforce_eager",
-        "quantization", "runner", "convert", "return_sampling_mask", "allowed_local_media_path",
-    )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        if self.hf_config is not None:
-            return
-        from pagedlm.engine.arg_utils import EngineArgs
-
-        given = {name: getattr(self, name) for name in self._ENGINE_ARGS}
-        resolved = (
-            EngineArgs(
-                **given,
-                tokenizer=self.tokenizer or None,
-                dtype=self.dtype if isinstance(self.dtype, str) else str(self.dtype)[6:],
-                max_model_len=self.max_model_len or None,
-            )
-            .create_engine_config()
-            .model_config
-        )
-        for f in fields(self):
-            setattr(self, f.name, getattr(resolved, f.name))
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:

@@ -63,7 +63,7 @@ def _string_content(texts: list[str], num_images: int, image_placeholder: str, i
     return "\n".join([image_placeholder] * missing + ([text] if text else []))
 
 
-def _validate(
+def parse_conversation(
     conversation: Any,
     content_format: str = "string",
     image_placeholder: str | None = None,
@@ -160,7 +160,7 @@ def render_conversations(
     conversations = [messages] if single else list(messages)
     prompts: list[TokensPrompt] = []
     for conversation in conversations:
-        messages, images = _validate(
+        messages, images = parse_conversation(
             conversation, content_format, image_placeholder, allowed_local_media_path
         )
         try:

@@ -90,3 +90,9 @@ class ModelRegistry:
                 return as_seq_cls_model(causal), "pooling", "classify"
             return as_embedding_model(causal), "pooling", "embed"
         return causal, "generate", None
+
+    @staticmethod
+    def image_placeholder(architecture: str) -> str | None:
+        """The text a string chat template gets per image (None: the model takes no images)."""
+        processor = ModelRegistry.resolve_model_cls(architecture)[0].mm_processor_cls
+        return processor.placeholder_str if processor is not None else None

@@ -81,7 +81,7 @@ def test_alias_parse_chat_messages(run_client, tiny_qwen2_5_vl_no_bos) -> None:
             from tests.mm_models import random_image
 
             config = ModelConfig(model={str(tiny_qwen2_5_vl_no_bos)!r}, dtype="float32")
-            assert ModelConfig is pagedlm.config.ModelConfig
+            assert type(config) is pagedlm.config.ModelConfig and isinstance(config, ModelConfig)
             image = random_image(56, 56)
             messages = [
                 {{"role": "system", "content": "Be brief."}},

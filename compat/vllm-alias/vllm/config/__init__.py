@@ -5,7 +5,6 @@ from typing import Literal
 from pagedlm.config import (  # noqa: F401
     CacheConfig,
     LoRAConfig,
-    ModelConfig,
     ParallelConfig,
     ProfilerConfig,
     SchedulerConfig,
@@ -15,7 +14,7 @@ from pagedlm.config import (  # noqa: F401
     WeightTransferConfig,
 )
 from vllm._unsupported import missing_attribute, unsupported_class
-from vllm.config.model import ConvertOption, RunnerOption  # noqa: F401
+from vllm.config.model import ConvertOption, ModelConfig, RunnerOption  # noqa: F401
 
 # load_format values pagedlm reads (LLM(load_format=...)); vLLM's others are refused
 LoadFormat = Literal["auto", "safetensors", "gguf", "pt", "dummy"]

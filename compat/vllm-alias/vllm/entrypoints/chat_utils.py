@@ -8,21 +8,12 @@ import asyncio
 from typing import Any
 
 from pagedlm.entrypoints.chat_utils import (
-    _validate,
+    parse_conversation,
     resolve_hf_chat_template,  # noqa: F401
 )
+from pagedlm.models.registry import ModelRegistry
 
 _IMAGE_PARTS = ("image_url", "image_pil", "image")
-
-
-def _image_placeholder(model_config: Any) -> str | None:
-    """The text a string chat template gets per image (None: the model takes no images)."""
-    if model_config.multimodal_config is None:
-        return None
-    from pagedlm.models.registry import ModelRegistry
-
-    model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)[0]
-    return model_cls.mm_processor_cls.placeholder_str
 
 
 def _image_uuids(messages: list[dict[str, Any]]) -> list[str | None]:
@@ -42,11 +33,11 @@ def parse_chat_messages(
     """(conversation, multi_modal_data or None, multi_modal_uuids or None) of one chat."""
     if content_format not in ("string", "openai"):
         raise ValueError(f"content_format must be 'string' or 'openai', got {content_format!r}.")
-    conversation, images = _validate(
-        messages,
-        content_format,
-        _image_placeholder(model_config),
-        model_config.allowed_local_media_path,
+    placeholder = None
+    if model_config.multimodal_config is not None:
+        placeholder = ModelRegistry.image_placeholder(model_config.architecture)
+    conversation, images = parse_conversation(
+        messages, content_format, placeholder, model_config.allowed_local_media_path
     )
     if not images:
         return conversation, None, None
