@@ -59,16 +59,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDLM_CACHE_DIR") or Path.home() / ".cache" / "pagedlm")
 
 
-def cpu_description() -> str:
-    """`lscpu`'s model name and the matmul ISAs that decide the kernels (AMX, AVX-512 VNNI)."""
+def _lscpu() -> dict[str, str]:
     try:
         text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     except OSError:
+        return {}
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
+def cpu_description() -> str:
+    """`lscpu`'s model name and the matmul ISAs that decide the kernels (AMX, AVX-512 VNNI)."""
+    fields = _lscpu()
+    if not fields:
         return "unknown"
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     flags = fields.get("Flags", "").split()
     isas = [f for f in ("amx_int8", "amx_bf16", "avx512_vnni", "avx512_bf16") if f in flags]
     return f"{fields.get('Model name', '?').strip()} ({', '.join(isas) or 'no AVX-512'})"
+
+
+def best_vllm_dtype() -> str:
+    """vLLM-CPU's fastest dtype here: bfloat16 where the CPU computes it (AVX-512 BF16 or AMX),
+    else float32 (without them torch's bf16 matmul runs below 1 GFLOPS: measured on Zen 2)."""
+    flags = _lscpu().get("Flags", "").split()
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
 def default_model() -> str:
@@ -191,6 +204,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "instead of binding its threads to all --threads cores",
     )
     parser.add_argument(
+        "--vllm-dtype",
+        default=None,
+        help="vLLM-CPU's dtype (default: bfloat16 on CPUs with AVX-512 BF16 or AMX, else "
+        "float32, its fastest)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -229,6 +248,7 @@ def run_backends(
 ) -> Iterator[tuple[str, dict]]:
     """Run each backend on `spec` in its own subprocess; yields (backend, result) in order."""
     spec = {**spec, "tensor_parallel_size": args.tensor_parallel_size}
+    spec["vllm_dtype"] = args.vllm_dtype or best_vllm_dtype()
     if {"pagedlm-gguf", "llamacpp"} & set(backends):
         spec["gguf"] = args.gguf or default_gguf()
     if any(LLM_BACKENDS.get(b, (None, None))[1] == "w8a8_model" for b in backends):
@@ -276,7 +296,7 @@ def make_llm(backend: str, spec: dict, **kwargs):
         llm = LLM(
             model,
             max_model_len=spec["max_model_len"],
-            dtype="bfloat16",
+            dtype=spec["vllm_dtype"],
             gpu_memory_utilization=0.4,
             seed=0,
             tensor_parallel_size=spec.get("tensor_parallel_size", 1),

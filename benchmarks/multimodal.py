@@ -196,6 +196,7 @@ def run_mm(backend: str, spec: dict) -> dict:
         "images": len(prompts),
         "input_tokens": sum(len(o.prompt_token_ids) for o in outputs),
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
     }
     if timed:
         seconds, calls = llm.apply_model(take_encoder_time)[0]
@@ -221,7 +222,7 @@ def print_table(results: dict[str, dict]) -> None:
     base = results.get("pagedlm", {})
     header = (
         f"{'backend':<14}{'images/s':>10}{'in tok/s':>10}{'out tok/s':>11}{'total tok/s':>13}"
-        f"{'encoder %':>11}{'peak RSS MB':>13}{'vs pagedlm':>12}"
+        f"{'encoder %':>11}{'peak RSS MB':>13}{'dtype':>10}{'vs pagedlm':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -233,7 +234,7 @@ def print_table(results: dict[str, dict]) -> None:
         share = f"{100 * r['encoder_share']:.1f}" if "encoder_share" in r else "-"
         print(
             f"{name:<14}{r['images_s']:>10.3f}{r['in_tok_s']:>10.1f}{r['out_tok_s']:>11.1f}"
-            f"{r['total_tok_s']:>13.1f}{share:>11}{r['peak_rss_mb']:>13.0f}{ratio:>12}"
+            f"{r['total_tok_s']:>13.1f}{share:>11}{r['peak_rss_mb']:>13.0f}{r['dtype']:>10}{ratio:>12}"
         )
 
 
