@@ -162,7 +162,7 @@ def run_backend(
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),  # GiB
     }
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     if args.allocator == "tcmalloc":
@@ -181,10 +181,10 @@ def run_backend(
         text=True,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    if result is None or "error" in result:  # the root cause is in the worker's log
         sys.stderr.write(proc.stderr[-3000:])
-        return {"error": f"exit {proc.returncode}"}
-    return json.loads(lines[-1])
+    return result if result is not None else {"error": f"exit {proc.returncode}"}
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:

@@ -148,3 +148,23 @@ def make_tiny_gemma3_vl(path: Path, sliding_window: int = 8) -> Path:
     _redraw(model)
     model.save_pretrained(path)
     return path
+
+
+def hf_greedy_generate(model, prompt_token_ids, max_tokens, **image_kwargs):
+    """transformers' greedy tokens and their logprobs for one expanded prompt (with the
+    model's own image inputs as keyword arguments)."""
+    ids = torch.tensor([prompt_token_ids])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **image_kwargs,
+    )
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    logprobs = [
+        s[0].float().log_softmax(-1)[t].item() for s, t in zip(out.scores, tokens, strict=True)
+    ]
+    return tokens, logprobs

@@ -9,6 +9,8 @@ placeholder token a step computes has its image's output in the cache when the s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -69,45 +71,25 @@ class MultiModalRunner:
 
     def has_mm_tokens(self, inputs: StepInputs) -> bool:
         """Whether the step computes any placeholder token."""
-        starts = inputs.positions[inputs.attn.query_start_loc[:-1]]
-        for state, start, n in zip(
-            inputs.states,
-            starts.tolist(),
-            np.diff(inputs.attn.query_start_loc).tolist(),
-            strict=True,
-        ):
-            if features_in(state.mm_features, start, start + n):
-                return True
-        return False
+        return next(_scheduled_features(inputs), None) is not None
 
     def inputs_embeds(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings with every placeholder row replaced by its image's output."""
         embeds = self.model.embed_input_ids(input_ids)
-        qsl = inputs.attn.query_start_loc
-        for i, state in enumerate(inputs.states):
-            row0, n = int(qsl[i]), int(qsl[i + 1] - qsl[i])
-            start = int(inputs.positions[row0])
-            for _, feature in features_in(state.mm_features, start, start + n):
-                position = feature.mm_position
-                lo, hi = max(start, position.offset), min(start + n, position.end)
-                source = self.encoder_cache[feature.identifier]
-                rows = source[lo - position.offset : hi - position.offset]
-                embeds[row0 + lo - start : row0 + hi - start] = rows.to(embeds.dtype)
+        for _, row, feature, lo, hi in _scheduled_features(inputs):
+            offset = feature.mm_position.offset
+            source = self.encoder_cache[feature.identifier]
+            embeds[row : row + hi - lo] = source[lo - offset : hi - offset].to(embeds.dtype)
         return embeds
 
     def bidirectional_spans(self, inputs: StepInputs) -> np.ndarray | None:
         """[k, 4] (request, first row, rows, end position) of the image tokens the step
         computes (attention/backend.py), for a model whose image tokens attend both ways."""
         spans = []
-        qsl = inputs.attn.query_start_loc
-        for i, state in enumerate(inputs.states):
-            row0, n = int(qsl[i]), int(qsl[i + 1] - qsl[i])
-            start = int(inputs.positions[row0])
-            for _, feature in features_in(state.mm_features, start, start + n):
-                position = feature.mm_position
-                lo, hi = max(start, position.offset), min(start + n, position.end)
-                assert hi == position.end, "an image cut by a chunk (disable_chunked_mm_input)"
-                spans.append((i, row0 + lo - start, hi - lo, position.end))
+        for i, row, feature, lo, hi in _scheduled_features(inputs):
+            end = feature.mm_position.end
+            assert hi == end, "an image cut by a chunk (disable_chunked_mm_input)"
+            spans.append((i, row, hi - lo, end))
         return np.asarray(spans, dtype=np.int64) if spans else None
 
     def mrope_positions(self, inputs: StepInputs) -> np.ndarray:
@@ -128,3 +110,20 @@ class MultiModalRunner:
         if (out[0] == out[1]).all() and (out[0] == out[2]).all():
             return out[0].copy()
         return out
+
+
+def _scheduled_features(
+    inputs: StepInputs,
+) -> Iterator[tuple[int, int, MultiModalFeatureSpec, int, int]]:
+    """(request index, first row, feature, first position, end position) of each image
+    whose placeholder tokens the step computes, for the positions [lo, hi) it computes."""
+    qsl = inputs.attn.query_start_loc
+    starts = inputs.positions[qsl[:-1]].tolist()
+    for i, (state, row0, row_end, start) in enumerate(
+        zip(inputs.states, qsl[:-1].tolist(), qsl[1:].tolist(), starts, strict=True)
+    ):
+        end = start + row_end - row0
+        for _, feature in features_in(state.mm_features, start, end):
+            position = feature.mm_position
+            lo, hi = max(start, position.offset), min(end, position.end)
+            yield i, row0 + lo - start, feature, lo, hi

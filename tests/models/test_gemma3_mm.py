@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from tests.mm_models import make_tiny_gemma3_vl, random_image
+from tests.mm_models import hf_greedy_generate, make_tiny_gemma3_vl, random_image
 
 MAX_TOKENS = 6
 
@@ -37,20 +37,7 @@ def hf_greedy(path, prompt_token_ids, images):
             pixel_values=processed["pixel_values"],
             token_type_ids=(ids == model.config.image_token_index).long(),
         )
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=MAX_TOKENS,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
-    tokens = out.sequences[0, ids.shape[1] :].tolist()
-    logprobs = [
-        s[0].float().log_softmax(-1)[t].item() for s, t in zip(out.scores, tokens, strict=True)
-    ]
-    return tokens, logprobs
+    return hf_greedy_generate(model, prompt_token_ids, MAX_TOKENS, **kwargs)
 
 
 CASES = [

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from tests.mm_models import make_tiny_qwen2_5_vl, random_image
+from tests.mm_models import hf_greedy_generate, make_tiny_qwen2_5_vl, random_image
 
 MAX_TOKENS = 8
 
@@ -44,20 +44,7 @@ def hf_greedy(path, prompt_token_ids, images, max_tokens=MAX_TOKENS):
             image_grid_thw=processed["image_grid_thw"],
             mm_token_type_ids=(ids == model.config.image_token_id).int(),
         )
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
-    tokens = out.sequences[0, ids.shape[1] :].tolist()
-    logprobs = [
-        s[0].float().log_softmax(-1)[t].item() for s, t in zip(out.scores, tokens, strict=True)
-    ]
-    return tokens, logprobs
+    return hf_greedy_generate(model, prompt_token_ids, max_tokens, **kwargs)
 
 
 CASES = [
