@@ -82,6 +82,11 @@ def test_alias_parse_chat_messages(run_client, tiny_qwen2_5_vl_no_bos) -> None:
 
             config = ModelConfig(model={str(tiny_qwen2_5_vl_no_bos)!r}, dtype="float32")
             assert type(config) is pagedlm.config.ModelConfig and isinstance(config, ModelConfig)
+            try:
+                ModelConfig(model={str(tiny_qwen2_5_vl_no_bos)!r}, no_such_option=1)
+                raise AssertionError("an unknown option was accepted")
+            except TypeError as e:
+                assert "no_such_option" in str(e), e
             image = random_image(56, 56)
             messages = [
                 {{"role": "system", "content": "Be brief."}},

@@ -33,11 +33,11 @@ def parse_chat_messages(
     """(conversation, multi_modal_data or None, multi_modal_uuids or None) of one chat."""
     if content_format not in ("string", "openai"):
         raise ValueError(f"content_format must be 'string' or 'openai', got {content_format!r}.")
-    placeholder = None
-    if model_config.multimodal_config is not None:
-        placeholder = ModelRegistry.image_placeholder(model_config.architecture)
     conversation, images = parse_conversation(
-        messages, content_format, placeholder, model_config.allowed_local_media_path
+        messages,
+        content_format,
+        ModelRegistry.image_placeholder(model_config.architecture),
+        model_config.allowed_local_media_path,
     )
     if not images:
         return conversation, None, None
