@@ -54,6 +54,8 @@ def write_llama_gguf(
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied file has no output.weight (llama.cpp reads token_embd)
         data = tensor.numpy()
         if name == "model.embed_tokens.weight":
             gguf_name = "token_embd.weight"

@@ -1,7 +1,8 @@
 """Wrappers of the quantized-GGUF matmul kernels (csrc/gguf_matmul.c).
 
-- `gguf_gemv`: y = x W^T for decode-sized batches straight from the packed weight, activations
-  quantized to int8 per 32-value block, integer dot products (AVX-512 VNNI, or portable C).
+- `gguf_gemv`: y = x W^T straight from the packed weight, activations quantized to int8 per
+  32-value block, integer dot products (AVX-512 VNNI, AVX2, or portable C): decode-sized
+  batches, and every batch where the GEMM below is not compiled in (AVX2 machines).
 - `gguf_gemm`: the same product for larger batches (prefill), an integer GEMM on weight tiles
   unpacked to int8 in a per-thread scratch (AVX-512 VNNI only); on K-quants the activations
   are quantized per 256 values (ggml's Q8_K) and the sub-blocks combine in int32.
@@ -26,17 +27,21 @@ from pagedlm.kernels.cpu import _FLOATS, _i64, _int, _ptr, checked, cpu_kernels,
 from pagedlm.kernels.gguf_pack import TILE_ROWS, PackedGGUFWeight
 
 declare("gguf_vnni_compiled", [], _int)
+declare("gguf_avx2_compiled", [], _int)
 
 
 def gguf_isa() -> str | None:
-    """The fastest quantized GEMV here: "avx512_vnni", "portable", or None (no C kernels)."""
+    """The fastest quantized GEMV here: "avx512_vnni", "avx2", "portable", or None (no C
+    kernels)."""
     lib = cpu_kernels()
     return None if lib is None else _isa_of(lib)
 
 
 @functools.cache
 def _isa_of(lib) -> str:
-    return "avx512_vnni" if lib.gguf_vnni_compiled() else "portable"
+    if lib.gguf_vnni_compiled():
+        return "avx512_vnni"
+    return "avx2" if lib.gguf_avx2_compiled() else "portable"
 
 
 _WEIGHT_FIELDS = tuple(f.name for f in dataclasses.fields(PackedGGUFWeight))
@@ -129,7 +134,7 @@ def _matmul_args(
 # offset, scale kind, bf16, isa, num_threads -> 1 if computed (0: bad layout, ISA not compiled
 # in, or out of memory)
 declare("gguf_gemv", [_ptr] * 9 + [_i64] * 4 + [_int] * 7, _int)
-_ISA_CODES = {"avx512_vnni": 1, "portable": 0}
+_ISA_CODES = {"avx512_vnni": 1, "avx2": 2, "portable": 0}
 
 
 def gemv_args(
@@ -154,8 +159,8 @@ def gguf_gemv(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype; None without C kernels.
-    `isa`: "avx512_vnni" or "portable" (tests); None takes the fastest. `out`: an [M, N] view
-    with contiguous rows (e.g. columns of a wider tensor) to write into instead."""
+    `isa`: "avx512_vnni", "avx2" or "portable" (tests); None takes the fastest. `out`: an
+    [M, N] view with contiguous rows (e.g. columns of a wider tensor) to write into instead."""
     lib = cpu_kernels()
     if lib is None:
         return None

@@ -37,6 +37,7 @@ Rows need K % 64 == 0; other shapes and types stay on the dequantized path.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -307,16 +308,31 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> PackedGGUFWeight:
     )
 
 
-def q8_rows(w: PackedGGUFWeight, rows: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` (int64 [B]) of an 8-bit packed weight as fp32 [B, K], exactly
-    `dequantize_packed(w)[rows]`, reading only those rows' bytes."""
+_ROWS_PER_GATHER = 256  # rows decoded per step by `packed_rows` (16 x that many unpacked)
+
+
+def packed_rows(w: PackedGGUFWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64 [B]) of a packed weight as fp32 [B, K], exactly
+    `dequantize_packed(w)[rows]`, reading only those rows' tiles (an embedding lookup from the
+    LM head's weight): 8-bit rows straight from their bytes, narrower ones by decoding each
+    row's tile."""
     n, k = w.shape
     tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
-    pick = torch.arange(rows.shape[0])
-    quads = w.qs[tile].view(-1, k // 4, TILE_ROWS, 4)[pick, :, lane]  # [B, K/4, 4]
-    q = quads.reshape(-1, k).to(torch.int32) - w.offset
-    scales = w.scales[tile].float()[pick, :, lane]  # [B, K/G]
-    return (q.float().view(-1, k // w.group, w.group) * scales[..., None]).view(-1, k)
+    if w.bits == 8:
+        pick = torch.arange(rows.shape[0])
+        quads = w.qs[tile].view(-1, k // 4, TILE_ROWS, 4)[pick, :, lane]  # [B, K/4, 4]
+        q = quads.reshape(-1, k).to(torch.int32) - w.offset
+        scales = w.scales[tile].float()[pick, :, lane]  # [B, K/G]
+        return (q.float().view(-1, k // w.group, w.group) * scales[..., None]).view(-1, k)
+    out = torch.empty(rows.shape[0], k)
+    tiled = ("qs", "qh", "scales", "mins", "super_scales", "super_mins")
+    for r0 in range(0, rows.shape[0], _ROWS_PER_GATHER):
+        t = tile[r0 : r0 + _ROWS_PER_GATHER]
+        parts = {f: None if getattr(w, f) is None else getattr(w, f)[t] for f in tiled}
+        sub = dataclasses.replace(w, **parts, n=t.shape[0] * TILE_ROWS, channel_scales=None)
+        decoded = dequantize_packed(sub).view(t.shape[0], TILE_ROWS, k)
+        out[r0 : r0 + t.shape[0]] = decoded[torch.arange(t.shape[0]), lane[r0 : r0 + t.shape[0]]]
+    return out
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -101,6 +101,11 @@ class LinearBase(nn.Module):
     ) -> None:
         default_weight_loader(param, loaded_weight)
 
+    def shard_ids(self) -> tuple[object, ...]:
+        """The `shard_id`s whose loads together fill the weight: None (one checkpoint
+        tensor); fused layers name their parts."""
+        return (None,)
+
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
 
@@ -165,6 +170,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = [divide(size, tp_size) for size in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias)
 
+    def shard_ids(self) -> tuple[object, ...]:
+        return tuple(range(len(self.output_sizes)))
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
@@ -203,6 +211,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias)
+
+    def shard_ids(self) -> tuple[object, ...]:
+        return ("q", "k", "v")
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None

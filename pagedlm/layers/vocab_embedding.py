@@ -45,7 +45,8 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         from pagedlm.layers.quantization.gguf import GGUFEmbeddingMethod, GGUFRawTensor
 
-        # an untied table of a GGUF file (a GGUF LM head's blocks go to its linear method's sink)
+        # a GGUF file's table kept as blocks (an untied LM head's go to its method's sink; a
+        # tied head packs these after loading)
         if isinstance(loaded_weight, GGUFRawTensor) and param is self.weight:
             method = GGUFEmbeddingMethod()
             method.load(self, loaded_weight)
@@ -97,9 +98,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding.
 
     A tied head keeps the embedding's dense weight for lookups and adds a prepacked copy.
-    Under quantization="gguf" an untied head is a GGUF linear (its rows: this rank's vocab).
-    Under quantization="int8" the head is an int8 linear, tied or not; a tied embedding then
-    reads its rows from the head's packed weight (one copy of the table).
+    Under quantization="gguf" an untied head is a GGUF linear (its rows: this rank's vocab); a
+    tied one packs the embedding's GGUF blocks where loading kept them (a type with packed
+    kernels), else reads the dense table. Under quantization="int8" the head is an int8
+    linear, tied or not. A tied embedding then reads its rows from the head's packed weight
+    (`PackedEmbeddingMethod`: one copy of the table, as llama.cpp holds it).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
@@ -117,29 +120,38 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.quant_method = GGUFLinearMethod() if method == "gguf" else Int8LinearMethod()
             self.quant_method.create_weights(self)
 
+    def shard_ids(self) -> tuple[object, ...]:
+        """One checkpoint tensor fills the head (the int8 method quantizes it then)."""
+        return (None,)
+
     def tie_weights(self, embed: VocabParallelEmbedding) -> None:
         self.weight = embed.weight
         self.tied = True
         # not a submodule (its table is the model's, loaded once): a plain reference
         object.__setattr__(self, "_tied_embedding", embed)
-        if not _is_int8(self.quant_method):  # GGUF: a tied head reads the dense table
-            self.quant_method = None
 
     def process_weights_after_loading(self) -> None:
-        if _is_int8(self.quant_method):
-            self.quant_method.process_weights_after_loading(self)  # the (shared) table, packed
-            (group,) = self.packed_groups
-            if self.tied and group.packed is not None:
-                from pagedlm.layers.quantization.int8 import Int8EmbeddingMethod
+        from pagedlm.layers.quantization.gguf import PackedEmbeddingMethod
 
-                self._tied_embedding.look_up_with(Int8EmbeddingMethod(group.packed))
-            return
+        if self.tied and not _is_int8(self.quant_method) and self.quant_method is not None:
+            table = getattr(self._tied_embedding, "gguf_table", None)
+            if table is None:  # the table was loaded dense: the dense tied path below
+                self.quant_method = None
+            else:  # pack the embedding's blocks as this head's weight
+                self.gguf_shards.append((0, table))
+                del self._tied_embedding.gguf_table
         if self.quant_method is not None:
-            held = sum(t.shape[0] for _, t in self.gguf_shards)
-            if held < self.output_size:  # padding rows past the vocabulary (TP)
-                pad = torch.zeros(self.output_size - held, self.input_size)
-                self.gguf_shards.append((held, pad))
-            self.quant_method.process_weights_after_loading(self)  # may become unquantized
+            if _is_int8(self.quant_method):
+                self.quant_method.process_weights_after_loading(self)  # the (shared) table
+            else:
+                held = sum(t.shape[0] for _, t in self.gguf_shards)
+                if held < self.output_size:  # padding rows past the vocabulary (TP)
+                    pad = torch.zeros(self.output_size - held, self.input_size)
+                    self.gguf_shards.append((held, pad))
+                self.quant_method.process_weights_after_loading(self)  # may become unquantized
+            groups = getattr(self, "packed_groups", None)
+            if self.tied and groups and groups[0].packed is not None:
+                self._tied_embedding.look_up_with(PackedEmbeddingMethod(groups[0].packed))
             return
         if self.tied:  # lookups need the dense weight: only add the packed copy
             weight = self.weight.data

@@ -157,17 +157,19 @@ _LINEAR_WEIGHT = re.compile(r"(_proj|lm_head)\.weight$")
 
 
 def _keeps_blocks(name: str, tensor: Any, config: Any) -> bool:
-    """Under quantization="gguf": linear weights the packed kernels compute with, and an
-    untied embedding table (looked up row by row); the rest is decoded to dense tensors."""
-    if _LINEAR_WEIGHT.search(name):
-        from pagedlm.kernels.gguf_pack import can_pack
+    """Under quantization="gguf": linear weights the packed kernels compute with, and the
+    embedding table (looked up row by row) when untied, or when tied and of a type the
+    packed kernels compute with (the LM head packs it); the rest is decoded to dense tensors."""
+    from pagedlm.kernels.gguf_pack import can_pack
 
+    if _LINEAR_WEIGHT.search(name):
         return can_pack(tensor.ggml_type, tensor.shape)
     from pagedlm.kernels.gguf_quants import PLAIN_TYPES
 
-    quantized = tensor.ggml_type not in PLAIN_TYPES
-    untied = not getattr(config, "tie_word_embeddings", False)
-    return name == "model.embed_tokens.weight" and quantized and untied
+    if name != "model.embed_tokens.weight" or tensor.ggml_type in PLAIN_TYPES:
+        return False
+    tied = getattr(config, "tie_word_embeddings", False)
+    return not tied or can_pack(tensor.ggml_type, tensor.shape)
 
 
 def iterate_gguf(

@@ -37,7 +37,7 @@ from pagedlm.layers.activation import SiluAndMul
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.layernorm import RMSNorm
 from pagedlm.layers.quantization.base import UnquantizedLinearMethod
-from pagedlm.layers.quantization.gguf import GEMV_ROWS, PackedLinearMethod
+from pagedlm.layers.quantization.gguf import GEMV_ROWS, PackedLinearMethod, takes_gemv
 from pagedlm.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -124,12 +124,13 @@ class LlamaDecodePlan:
     @staticmethod
     def max_rows(model: nn.Module) -> int:
         """The most sequences a plan of `model` replays: MAX_ROWS, or GEMV_ROWS where packed
-        GGUF layers would take a dequantized float GEMM past that (no AVX-512 VNNI)."""
+        GGUF layers would take a dequantized float GEMM past that (neither AVX-512 VNNI nor
+        AVX2)."""
         lib = kc.cpu_kernels()
         has_gguf = any(isinstance(m.quant_method, PackedLinearMethod)
                        for m in model.modules() if hasattr(m, "quant_method"))  # fmt: skip
-        gemm = lib is not None and lib.gguf_gemm_compiled()
-        return MAX_ROWS if gemm or not has_gguf else GEMV_ROWS
+        integer = lib is not None and (lib.gguf_gemm_compiled() or takes_gemv(MAX_ROWS))
+        return MAX_ROWS if integer or not has_gguf else GEMV_ROWS
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -224,7 +225,7 @@ class LlamaDecodePlan:
             args = kc.amx_linear_args(x, linear.weight, bias, y)
             self.calls.append((lib.small_batch_linear, args, _OK_NONZERO))
             return
-        gemv = self.rows <= GEMV_ROWS  # as gguf_linear chooses
+        gemv = takes_gemv(self.rows)  # as gguf_linear chooses
         for g in linear.packed_groups:
             b = None if bias is None else bias[g.offset : g.offset + g.rows].to(self.dtype)
             if b is not None:

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.kernels.cpu import cpu_kernels
-from pagedlm.layers.quantization.gguf import GEMV_ROWS
+from pagedlm.layers.quantization.gguf import GEMV_ROWS, PackedEmbeddingMethod, takes_gemv
 from pagedlm.layers.quantization.int8 import quantize_per_channel
 from pagedlm.model_loader.gguf_reader import GGUFFile
 from tests.e2e.test_tensor_parallel import _prompts
@@ -39,17 +39,21 @@ MIXED = {
     "ffn_up": T.Q5_1,
     "ffn_down": T.Q8_0,
     "output": T.Q8_0,
-    "token_embd": T.Q5_0,  # untied: kept in its blocks, rows decoded when looked up
+    "token_embd": T.Q5_0,  # kept in its blocks, rows decoded when looked up (tied: packed)
 }
 TOP5 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
 # per-token logprob difference the int8 activations may cause on these tiny models
 ACTIVATION_QUANT_LOGPROB = 0.05
-# Without AVX-512 VNNI (AVX2: the portable GEMV) there is no integer GEMM: a step of more than
-# GEMV_ROWS rows multiplies dequantized weights in float, exactly the reference's values, so
-# eight sequences at once would never reach the integer kernels. There, every run decodes
-# GEMV_ROWS sequences at a time (prefill stays dequantized), through the integer GEMV.
+# Where neither the VNNI GEMM nor the AVX2 GEMV runs (the portable C GEMV only), a step of
+# more than GEMV_ROWS rows multiplies dequantized weights in float, exactly the reference's
+# values, so eight sequences at once would never reach the integer kernels. There, every run
+# decodes GEMV_ROWS sequences at a time (prefill stays dequantized).
 _LIB = cpu_kernels()
-BATCH = {} if _LIB is None or _LIB.gguf_gemm_compiled() else {"max_num_seqs": GEMV_ROWS}
+BATCH = (
+    {}
+    if _LIB is None or _LIB.gguf_gemm_compiled() or takes_gemv(64)
+    else {"max_num_seqs": GEMV_ROWS}
+)
 
 
 def _generate(model, **kwargs) -> list:
@@ -90,6 +94,26 @@ def test_gguf_packed_matches_dequantized(tiny_llama, mixed_gguf, monkeypatch) ->
     dequantized = _generate(mixed_gguf, tokenizer=str(tiny_llama))
     worst = _agree(packed, dequantized, ACTIVATION_QUANT_LOGPROB)
     assert worst > 0  # the integer kernels ran: int8 activations are not exact
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gguf_tied_table_is_packed_once(tiny_model_factory, tmp_path, monkeypatch, tp) -> None:
+    """A tied table of a packed type (Q5_0): the LM head packs its blocks and the embedding
+    decodes its rows from that one copy (as llama.cpp holds it); against the dequantized file
+    within the activations' rounding, under tensor parallelism too (vocabulary rows split)."""
+    model = tiny_model_factory("llama", tie_word_embeddings=True)
+    path = write_llama_gguf(model, tmp_path / "tied.gguf", MIXED)
+    if tp == 1:
+        llm = LLM(str(path), tokenizer=str(model), dtype="float32", max_model_len=64)
+        runner = llm.llm_engine.model_executor.driver_worker.model_runner.model
+        assert isinstance(runner.model.embed_tokens.quant_method, PackedEmbeddingMethod)
+        assert runner.lm_head.packed_groups[0].packed is not None
+        assert runner.model.embed_tokens.weight.is_meta  # no dense table next to it
+        del llm
+    packed = _generate(path, tokenizer=str(model), tensor_parallel_size=tp)
+    monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", "1")
+    dequantized = _generate(path, tokenizer=str(model))
+    _agree(packed, dequantized, ACTIVATION_QUANT_LOGPROB)
 
 
 def test_gguf_packed_under_tensor_parallel(tiny_llama, mixed_gguf) -> None:

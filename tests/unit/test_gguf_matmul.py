@@ -25,6 +25,7 @@ from pagedlm.kernels.gguf_pack import (
     can_pack,
     dequantize_packed,
     pack_gguf,
+    packed_rows,
     quantize_activations,
 )
 from pagedlm.kernels.gguf_quants import dequantize
@@ -33,7 +34,7 @@ from tests.unit.test_gguf_quants import FP16_FIELDS, random_blocks
 T = GGMLQuantizationType
 TYPES = sorted(PACKABLE_TYPES, key=int)
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler")
-ISAS = ["portable"] + (["avx512_vnni"] if kg.gguf_isa() == "avx512_vnni" else [])
+ISAS = ["portable"] + ([kg.gguf_isa()] if kg.gguf_isa() in ("avx512_vnni", "avx2") else [])
 
 
 def _raw(t: GGMLQuantizationType, n: int, k: int, seed: int, moderate: bool) -> np.ndarray:
@@ -61,6 +62,9 @@ def test_packed_weight_dequantizes_to_ggml_values_exactly(t) -> None:
         assert torch.equal(got.view(torch.int32), want[3:20].view(torch.int32))
         got16 = kg.gguf_dequantize_rows(w, 0, n, torch.bfloat16)
         assert torch.equal(got16, want.bfloat16())
+    # embedding lookups from a packed head: any rows, repeated, across and within tiles
+    ids = torch.tensor([23, 0, 5, 5, 16, 17, 2])
+    assert torch.equal(packed_rows(w, ids).view(torch.int32), want[ids].view(torch.int32))
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)

@@ -159,6 +159,30 @@ def test_int8_w8a8_equals_its_dequantized_matmul(dtype) -> None:
     _check_int8(layer, q, scale, dtype)
 
 
+@pytest.mark.parametrize("fused", ["qkv", "gate_up"])
+def test_int8_layer_is_quantized_when_its_last_shard_loads(fused) -> None:
+    """The dense weight lives only until every shard is in (one layer's dense weight at a
+    time while a checkpoint loads); the packed rows are each shard's, in order."""
+    with set_quantization("int8"):
+        if fused == "qkv":
+            layer = QKVParallelLinear(128, 16, 4, 2)
+            shards = {"q": 64, "k": 32, "v": 32}
+        else:
+            layer = MergedColumnParallelLinear(128, [48, 80])
+            shards = {0: 48, 1: 80}
+    weights = {sid: torch.randn(rows, 128) for sid, rows in shards.items()}
+    for sid, w in weights.items():
+        assert layer.weight is not None, f"quantized before shard {sid!r} loaded"
+        layer.weight.weight_loader(layer.weight, w, sid)
+    assert layer.weight is None  # quantized at the last shard, before finalize
+    layer.process_weights_after_loading()  # a no-op now
+    q, scale = quantize_per_channel(torch.cat(list(weights.values())))
+    (group,) = layer.packed_groups
+    torch.testing.assert_close(
+        dequantize_packed(group.packed), q.float() * scale[:, None], atol=0, rtol=0
+    )
+
+
 def test_int8_off_the_kernel_shapes_keeps_the_dequantized_weight() -> None:
     layer = _int8_layer("int8", torch.float32, k=96)  # K % 64 != 0: no packed layout
     w = torch.randn(48, 96)

@@ -13,7 +13,8 @@
 // G / 4 vpdpbusd steps, each a k-quad vector of weight quants (u8) against 4 activation quants
 // (s8) broadcast: exact integer sums, then fp32 acc += (float)sum * (scale x d), and with mins
 // acc -= min * d * (sum of quants); scales and mins decoded as stored (fp16, or 8-bit
-// sub-scales times the super-block's fp32 d). The portable path does the same in plain C.
+// sub-scales times the super-block's fp32 d). Without VNNI, AVX2 computes the same exact
+// integer sums with vpmaddubsw (gguf_gemv_avx2.h); the portable path does it in plain C.
 //
 // Larger batches (`gguf_gemm`, gguf_gemm.c): the same activation quantization but per 256
 // values on K-quants and per 128 on blocks of 32 where K allows, tile pairs unpacked to bytes
@@ -75,6 +76,8 @@ static void quantize_act_row(const void* x, int64_t m, const QWeight* w, int bf1
 }
 
 // ----------------------------------------------------------------------------- tile dots
+
+#include "gguf_gemv_avx2.h"  // the AVX2 tile dots (take QAct and MT_MAX from above)
 
 // out[j][r] = dot of activation row m0 + j with row 16 t + r, from the unpacked tile q.
 static void tile_dots_portable(const QWeight* w, const uint8_t* q, int64_t t, const QAct* a,
@@ -201,6 +204,14 @@ int gguf_vnni_compiled(void) {
 #endif
 }
 
+int gguf_avx2_compiled(void) {
+#ifdef PAGEDLM_AVX2_INT8
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // Row m of y (bf16 or fp32; rows ldy apart) at columns n0 .. n0 + cols - 1: v + bias.
 static void store_out(void* y, int64_t ldy, const void* bias, int64_t m, int64_t n0, int cols,
                       float* v, int bf16) {
@@ -212,7 +223,7 @@ static void store_out(void* y, int64_t ldy, const void* bias, int64_t m, int64_t
 
 // y [M, N] (bf16 or fp32, as x; rows ldy >= N elements apart, so that a caller can write into
 // columns of a wider output) = x W^T (+ bias, in x's dtype). isa: 1 = AVX-512 VNNI,
-// 0 = portable. Returns 1 if computed; 0 for bad arguments, an ISA not compiled in, or out of
+// 2 = AVX2, 0 = portable. Returns 1 if computed; 0 for bad arguments, an ISA not compiled in, or out of
 // memory.
 int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const void* scales,
               const void* mins, const float* sup, const float* msup, const void* bias, void* y,
@@ -222,6 +233,9 @@ int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
   if (!valid(&w) || M < 1 || ldy < N) return 0;
 #ifndef PAGEDLM_VNNI
   if (isa == 1) return 0;
+#endif
+#ifndef PAGEDLM_AVX2_INT8
+  if (isa == 2) return 0;
 #endif
   QAct a;
   float* buf = malloc(sizeof(float) * act_scratch(K));
@@ -235,6 +249,8 @@ int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
   const int64_t tiles = num_tiles(&w);
 #ifdef PAGEDLM_VNNI
   const TileDots fast = isa == 1 ? tile_kernel(&w) : NULL;
+#elif defined(PAGEDLM_AVX2_INT8)
+  const TileDotsAvx2 fast = isa == 2 ? tile_kernel_avx2(&w) : NULL;
 #else
   const void* fast = NULL;
 #endif
@@ -258,6 +274,10 @@ int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
             fast(&w, t, &a, m0, mt, acc);
             for (int j = 0; j < mt; j++) _mm512_storeu_ps(out[j], acc[j]);
           } else
+#elif defined(PAGEDLM_AVX2_INT8)
+          if (fast != NULL)
+            fast(&w, t, &a, m0, mt, out);
+          else
 #endif
             tile_dots_portable(&w, q, t, &a, m0, mt, out);
           for (int j = 0; j < mt; j++) store_out(y, ldy, bias, m0 + j, t * TILE, cols, out[j], bf16);

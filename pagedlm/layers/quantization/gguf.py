@@ -9,7 +9,9 @@ mix types: Qwen2's v_proj is often Q8_0 next to Q5_0 q/k), and `apply` computes 
 
 - up to `GEMV_ROWS` rows: the integer GEMV (`kernels.gguf.gguf_gemv`);
 - more rows (prefill, large decode batches): the integer GEMM (`kernels.gguf.gguf_gemm`);
-- without AVX-512 VNNI: tiles of dequantized rows through oneDNN (F.linear);
+- on AVX2 (no VNNI, so no GEMM): the AVX2 GEMV for every batch (as fast as oneDNN's fp32
+  GEMM on prefill-sized batches, 3-8x faster below 32 rows, on Zen 2);
+- with neither: tiles of dequantized rows through oneDNN (F.linear);
 - without C kernels: the PyTorch twin (`dequantize_packed`) then F.linear.
 """
 
@@ -28,6 +30,7 @@ from pagedlm.kernels.gguf_pack import (
     can_pack,
     dequantize_packed,
     pack_gguf,
+    packed_rows,
 )
 from pagedlm.kernels.gguf_quants import dequantize
 from pagedlm.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
@@ -123,7 +126,8 @@ class PackedGroup:
 class GGUFEmbeddingMethod:
     """An embedding table kept as its GGUF blocks (as llama.cpp keeps it): a lookup decodes
     just the rows it reads, to the values decoding the whole table would give (the decode is
-    per block). For an untied table only: a tied head reads the dense weight."""
+    per block). A tied head packs the table after loading, and lookups move to its packed
+    weight (`PackedEmbeddingMethod`)."""
 
     def load(self, layer: nn.Module, raw: GGUFRawTensor) -> None:
         """This rank's rows of `raw`, copied out of the file's mapping (the layer then drops
@@ -139,6 +143,19 @@ class GGUFEmbeddingMethod:
         rows = table.data.index_select(0, flat)
         out = dequantize(rows, table.ggml_type, (flat.shape[0], table.shape[1]), layer.weight.dtype)
         return out.view(*ids.shape, table.shape[1])
+
+
+class PackedEmbeddingMethod:
+    """Lookups of an embedding tied to a packed LM head (int8, or a GGUF table's blocks): each
+    row decoded from the head's packed weight (`packed_rows`), so the table is held once."""
+
+    def __init__(self, packed: PackedGGUFWeight) -> None:
+        self.packed = packed
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).clamp(max=self.packed.n - 1)  # TP padding rows: masked later
+        rows = packed_rows(self.packed, flat).to(layer.weight.dtype)
+        return rows.view(*ids.shape, rows.shape[-1])
 
 
 class PackedLinearMethod(LinearMethodBase):
@@ -241,15 +258,22 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[Packe
     return merged
 
 
+def takes_gemv(rows: int) -> bool:
+    """Whether `gguf_linear` computes `rows` rows with the integer GEMV: decode-sized batches,
+    and every batch on AVX2 (where the GEMM is not compiled in)."""
+    return rows <= GEMV_ROWS or gguf_kernels.gguf_isa() == "avx2"
+
+
 def gguf_linear(
     x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) in x's dtype: integer GEMV for decode-sized M, integer GEMM
-    past it, dequantized tiles through oneDNN without VNNI, the PyTorch twin without C."""
+    """x [M, K] @ W^T (+ bias) in x's dtype: integer GEMV for decode-sized M (every M on
+    AVX2), integer GEMM past it, dequantized tiles through oneDNN where neither integer
+    kernel runs, the PyTorch twin without C."""
     native = x.dtype in (torch.bfloat16, torch.float32)
     if native:
         b = None if bias is None else bias.to(x.dtype)
-        if x.shape[0] <= GEMV_ROWS:
+        if takes_gemv(x.shape[0]):
             y = gguf_kernels.gguf_gemv(x, w, b)
         else:
             y = gguf_kernels.gguf_gemm(x, w, b)

@@ -2,8 +2,10 @@
 quantized to int8 in the kernels, integer dot products (AMX-INT8, AVX-512 VNNI, portable C).
 
 - `Int8LinearMethod` (quantization="int8"): a bf16/fp32 checkpoint's dense weight quantized at
-  load: scale[n] = max_k |W[n, k]| / 127, q = round(W / scale) clamped to [-127, 127]. The LM
-  head too (vocab_embedding.py); a tied embedding then reads rows from it (`Int8EmbeddingMethod`).
+  load: scale[n] = max_k |W[n, k]| / 127, q = round(W / scale) clamped to [-127, 127], as soon
+  as its last shard is loaded, so only one layer's dense weight is held at a time. The LM
+  head too (vocab_embedding.py); a tied embedding then reads rows from it
+  (`gguf.PackedEmbeddingMethod`).
 - `CompressedTensorsW8A8LinearMethod` (quantization="compressed-tensors"): a checkpoint that
   holds q (`weight`, int8) and the scales (`weight_scale`, [N, 1]) already.
 
@@ -20,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedlm.kernels.gguf_pack import PackedGGUFWeight, can_pack, pack_q8, q8_rows
+from pagedlm.kernels.gguf_pack import can_pack, pack_q8
 from pagedlm.layers.quantization.base import create_dense_weight
 from pagedlm.layers.quantization.gguf import PackedGroup, PackedLinearMethod
 
@@ -56,11 +58,27 @@ class _Int8Method(PackedLinearMethod):
 
 
 class Int8LinearMethod(_Int8Method):
+    """The dense weight is quantized once every shard of it (`layer.shard_ids()`) is loaded;
+    `process_weights_after_loading` quantizes what loading did not complete (dummy weights)."""
+
     def create_weights(self, layer: nn.Module) -> None:
         create_dense_weight(layer)
+        pending = set(layer.shard_ids())
+
+        def weight_loader(param, loaded_weight, shard_id=None) -> None:
+            if shard_id is None:
+                layer.weight_loader(param, loaded_weight)
+            else:
+                layer.weight_loader(param, loaded_weight, shard_id)
+            pending.discard(shard_id)
+            if not pending:
+                self.process_weights_after_loading(layer)
+
+        layer.weight.weight_loader = weight_loader
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        self._keep(layer, *quantize_per_channel(layer.weight.data))
+        if layer.weight is not None:
+            self._keep(layer, *quantize_per_channel(layer.weight.data))
 
 
 class CompressedTensorsW8A8LinearMethod(_Int8Method):
@@ -87,16 +105,3 @@ class CompressedTensorsW8A8LinearMethod(_Int8Method):
         q, scale = layer.weight.data, layer.weight_scale.data
         del layer.weight_scale
         self._keep(layer, q, scale)
-
-
-class Int8EmbeddingMethod:
-    """Lookups of an embedding tied to an int8 LM head: each row decoded from the head's
-    packed weight (`q8_rows`), so the table is held once, as int8."""
-
-    def __init__(self, packed: PackedGGUFWeight) -> None:
-        self.packed = packed
-
-    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).clamp(max=self.packed.n - 1)  # TP padding rows: masked later
-        rows = q8_rows(self.packed, flat).to(layer.weight.dtype)
-        return rows.view(*ids.shape, rows.shape[-1])
