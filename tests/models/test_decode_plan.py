@@ -11,7 +11,7 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.kernels.cpu import cpu_kernels, small_batch_linear_isa
-from pagedlm.layers.quantization.gguf import GEMV_ROWS
+from pagedlm.layers.quantization.gguf import GEMV_ROWS, takes_gemv
 from pagedlm.models.llama_decode_plan import MAX_ROWS, LlamaDecodePlan
 from tests.e2e.test_quantized_models import mixed_gguf  # noqa: F401 (fixture)
 from tests.e2e.test_tensor_parallel import _prompts
@@ -67,10 +67,10 @@ def test_decode_plan_equals_modules(
 
     monkeypatch.setattr(LlamaDecodePlan, "run", counting_run)
     with_plan = _generate(model, tiny_llama, max_num_seqs, dtype, **kwargs)
-    # the plan ran, at every batch size it replays (packed weights without the integer GEMM,
-    # i.e. no AVX-512 VNNI: up to GEMV_ROWS)
-    gemm = cpu_kernels().gguf_gemm_compiled()
-    cap = MAX_ROWS if source == "dense" or gemm else GEMV_ROWS
+    # the plan ran, at every batch size it replays (packed weights where neither the VNNI GEMM
+    # nor the AVX2 GEMV runs: up to GEMV_ROWS)
+    integer = cpu_kernels().gguf_gemm_compiled() or takes_gemv(MAX_ROWS)
+    cap = MAX_ROWS if source == "dense" or integer else GEMV_ROWS
     assert rows_seen
     assert max(rows_seen) == max_num_seqs if max_num_seqs <= cap else max(rows_seen) <= cap
     rows_seen.clear()

@@ -11,10 +11,12 @@
 // them against its group of query heads and takes a softmax, all in fp32 (the AVX-512 path in
 // pieces of 256 keys with a running max, streaming the next piece's keys into L2 while it
 // weighs the current piece's values). Scratch buffers are per thread. Head sizes 64, 128 and
-// 256 take an AVX-512 path where the compiler targets it; every size has the portable one.
+// 256 take an AVX-512 path where the compiler targets it; without AVX-512, head sizes that are
+// multiples of 8 over fp32/bf16 caches take the AVX2 one; every size has the portable one.
 #include <stdlib.h>
 
 #include "common.h"
+#include "paged_decode_avx2.h"
 #include "paged_decode_avx512.h"
 
 // One (sequence, kv head) pair, portable C that gcc vectorizes; inlined with constant head
@@ -205,6 +207,17 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
           case 128: ATTEND_AMX(8); break;
           default: ATTEND_AMX(16);
         }
+        continue;
+      }
+#endif
+#ifdef PAGEDLM_DECODE_AVX2
+      if (head_size % 8 == 0 && (kind == KV_F32 || kind == KV_BF16)) {
+        if (kind == KV_BF16)
+          attend_avx2(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, head_size,
+                      token_stride, block_size, scale, bf16, 1, part, lse, qf, acc, scores);
+        else
+          attend_avx2(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, head_size,
+                      token_stride, block_size, scale, bf16, 0, part, lse, qf, acc, scores);
         continue;
       }
 #endif
