@@ -35,7 +35,12 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * per_rank
         self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
-        self.weight = nn.Parameter(torch.zeros(per_rank, embedding_dim), requires_grad=False)
+        # empty, not zeros: loading writes every vocabulary row (a table held quantized never
+        # touches these pages, and zeroing them cost a dense table's RSS at load); only the
+        # padding rows past the vocabulary are zeroed
+        weight = torch.empty(per_rank, embedding_dim)
+        weight[self.vocab_end - self.vocab_start :].zero_()
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         # how lookups read a table held quantized (`look_up_with`), or None: the dense weight
         self.quant_method: Any = None

@@ -134,7 +134,12 @@ def _validate(
     """The (parameter, shard id) a checkpoint tensor loads into; ValueError if it cannot."""
     from pagedlm.models.weight_utils import resolve_weight_name
 
-    resolved = resolve_weight_name(name, specs.keys(), mapping)
+    # quantized layers hold no dense parameter (int8 drops it while loading): their names
+    # still resolve, so that the refusal below names the method
+    quantized = {
+        f"{path}.weight" for path, m in model.named_modules() if quantized_method(m) is not None
+    }
+    resolved = resolve_weight_name(name, specs.keys() | quantized, mapping)
     if resolved is None:
         raise ValueError(
             f"weight {name!r} matches no parameter of the model (nothing was loaded); names "

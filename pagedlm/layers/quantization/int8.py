@@ -73,6 +73,9 @@ class Int8LinearMethod(_Int8Method):
             pending.discard(shard_id)
             if not pending:
                 self.process_weights_after_loading(layer)
+                # the checkpoint loader's name -> parameter map still holds `param`: free its
+                # rows now, not when loading ends
+                param.data = torch.empty(0, dtype=param.dtype)
 
         layer.weight.weight_loader = weight_loader
 
