@@ -219,20 +219,25 @@ def test_kernel_boundary_rejects_wrong_dtypes_and_shapes() -> None:
 
 @needs_kernels
 def test_gguf_linear_fallbacks_agree(monkeypatch) -> None:
-    """Past GEMV_ROWS rows: the integer GEMM where AVX-512 VNNI is compiled in; without it
-    (AVX2, portable) the prefill path dequantizes tiles for a float GEMM (exact weights, so the
-    dequantized matmul itself, not the int8-activation oracle), and without C kernels the
-    PyTorch twin does: both equal the dequantized matmul."""
+    """Past GEMV_ROWS rows: the integer GEMM where AVX-512 VNNI is compiled in, the AVX2 GEMV
+    on AVX2 (activations per 32 values, as in decode); where neither runs, the prefill path
+    dequantizes tiles for a float GEMM (exact weights, so the dequantized matmul itself, not
+    the int8-activation oracle), and without C kernels the PyTorch twin does: both equal the
+    dequantized matmul."""
     from pagedlm.layers.quantization import gguf as method
 
     w, x, bias = _case(T.Q4_K, 40, 48, 256)
     want = x.double() @ dequantize_packed(w).double().T + bias.double()
     if cpu_kernels().gguf_gemm_compiled():
         _check_against_dequantized(method.gguf_linear(x, w, bias), w, x, bias, w.gemm_act_block)
+    elif kg.gguf_isa() == "avx2":
+        assert method.takes_gemv(x.shape[0])
+        _check_against_dequantized(method.gguf_linear(x, w, bias), w, x, bias)
     else:
         assert kg.gguf_gemm(x, w, bias) is None  # no integer GEMM: the caller dequantizes
         got = method.gguf_linear(x, w, bias).double()
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-5)
+    monkeypatch.setattr(method, "takes_gemv", lambda rows: False)  # no integer kernel runs
     monkeypatch.setattr(method.gguf_kernels, "gguf_gemm", lambda *a: None)
     torch.testing.assert_close(method.gguf_linear(x, w, bias).double(), want, atol=1e-3, rtol=1e-5)
     monkeypatch.setattr(method.gguf_kernels, "gguf_dequantize_rows", lambda *a: None)

@@ -76,6 +76,26 @@ static inline int valid_scales(const QWeight* w) {
 
 static inline int64_t num_tiles(const QWeight* w) { return (w->N + TILE - 1) / TILE; }
 
+// The layouts with a fast tile-dots kernel (the GGUF types, and pack_q8's fp32 per-channel
+// scales for the int8 linear methods), as X(name, bits, group, has mins, scale kind); every
+// ISA instantiates its kernels from this list and finds them by `layout_key`.
+#define PACKED_LAYOUTS(X)             \
+  X(q8_0, 8, 32, 0, SCALES_F16)       \
+  X(q8_f32, 8, 32, 0, SCALES_F32)     \
+  X(q4_0, 4, 32, 0, SCALES_F16)       \
+  X(q5_0, 5, 32, 0, SCALES_F16)       \
+  X(q4_1, 4, 32, 1, SCALES_F16)       \
+  X(q5_1, 5, 32, 1, SCALES_F16)       \
+  X(q4_k, 4, 32, 1, SCALES_U8_SUPER)  \
+  X(q5_k, 5, 32, 1, SCALES_U8_SUPER)  \
+  X(q6_k, 6, 16, 0, SCALES_I8_SUPER)
+
+#define LAYOUT_KEY(BITS, G, MINS, KIND) ((BITS) * 10000 + (G) * 100 + (MINS) * 10 + (KIND))
+
+static inline int layout_key(const QWeight* w) {
+  return LAYOUT_KEY(w->bits, w->group, w->mins != NULL, w->kind);
+}
+
 static inline int valid(const QWeight* w) {
   const int bits_ok = w->bits == 4 || w->bits == 5 || w->bits == 6 || w->bits == 8;
   return bits_ok && (w->group == 16 || w->group == 32) && w->N > 0 && w->K > 0 &&

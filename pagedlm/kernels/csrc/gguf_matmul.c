@@ -163,34 +163,19 @@ static inline __attribute__((always_inline)) void tile_dots(const QWeight* w, in
       default: tile_dots(w, t, a, m0, 1, BITS, G, MINS, KIND, acc);                           \
     }                                                                                         \
   }
-// the layouts of the GGUF types and pack_q8 (gguf_pack.py); others take the portable path
-TILE_DOTS_FOR(q8_0, 8, 32, 0, SCALES_F16)
-TILE_DOTS_FOR(q8_f32, 8, 32, 0, SCALES_F32)  // the int8 linear methods' per-channel scales
-TILE_DOTS_FOR(q4_0, 4, 32, 0, SCALES_F16)
-TILE_DOTS_FOR(q5_0, 5, 32, 0, SCALES_F16)
-TILE_DOTS_FOR(q4_1, 4, 32, 1, SCALES_F16)
-TILE_DOTS_FOR(q5_1, 5, 32, 1, SCALES_F16)
-TILE_DOTS_FOR(q4_k, 4, 32, 1, SCALES_U8_SUPER)
-TILE_DOTS_FOR(q5_k, 5, 32, 1, SCALES_U8_SUPER)
-TILE_DOTS_FOR(q6_k, 6, 16, 0, SCALES_I8_SUPER)
+PACKED_LAYOUTS(TILE_DOTS_FOR)  // others take the portable path
 
 typedef void (*TileDots)(const QWeight*, int64_t, const QAct*, int64_t, int, __m512*);
 
 // The kernel of w's layout, or NULL (a combination no GGUF type uses).
 static TileDots tile_kernel(const QWeight* w) {
-  const int key = w->bits * 10000 + w->group * 100 + (w->mins != NULL) * 10 + w->kind;
-  switch (key) {
-    case 83201: return tile_dots_q8_0;
-    case 83200: return tile_dots_q8_f32;
-    case 43201: return tile_dots_q4_0;
-    case 53201: return tile_dots_q5_0;
-    case 43211: return tile_dots_q4_1;
-    case 53211: return tile_dots_q5_1;
-    case 43213: return tile_dots_q4_k;
-    case 53213: return tile_dots_q5_k;
-    case 61602: return tile_dots_q6_k;
+#define TILE_DOTS_CASE(NAME, BITS, G, MINS, KIND) \
+  case LAYOUT_KEY(BITS, G, MINS, KIND): return tile_dots_##NAME;
+  switch (layout_key(w)) {
+    PACKED_LAYOUTS(TILE_DOTS_CASE)
     default: return NULL;
   }
+#undef TILE_DOTS_CASE
 }
 #endif
 
