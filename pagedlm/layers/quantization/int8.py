@@ -1,5 +1,6 @@
 """Int8 W8A8 linear methods: int8 weights with one scale per output channel, activations
-quantized to int8 in the kernels, integer dot products (AMX-INT8, AVX-512 VNNI, portable C).
+quantized to int8 in the kernels, integer dot products (AMX-INT8, AVX-512 VNNI, AVX2, portable
+C).
 
 - `Int8LinearMethod` (quantization="int8"): a bf16/fp32 checkpoint's dense weight quantized at
   load: scale[n] = max_k |W[n, k]| / 127, q = round(W / scale) clamped to [-127, 127], as soon
@@ -11,9 +12,10 @@ quantized to int8 in the kernels, integer dot products (AMX-INT8, AVX-512 VNNI, 
 
 Both keep only the packed copy (`kernels.gguf_pack.pack_q8`: Q8_0's tile layout, fp32 scales)
 and compute as packed GGUF does (`PackedLinearMethod`): the activations are quantized
-dynamically per 32 values (GEMV, decode-sized batches) or 128 (GEMM: AMX-INT8 where it runs,
-else AVX-512 VNNI), finer than vLLM's per token. Where K is not a multiple of 64 the kernels
-do not apply: the layer keeps the dequantized weight (q * scale) and computes with F.linear.
+dynamically per 32 values (GEMV: decode-sized batches, every batch on AVX2) or 128 (GEMM:
+AMX-INT8 where it runs, else AVX-512 VNNI), finer than vLLM's per token. Where K is not a
+multiple of 64 the kernels do not apply: the layer keeps the dequantized weight (q * scale)
+and computes with F.linear.
 """
 
 from __future__ import annotations
