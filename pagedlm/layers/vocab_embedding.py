@@ -136,9 +136,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         object.__setattr__(self, "_tied_embedding", embed)
 
     def process_weights_after_loading(self) -> None:
-        from pagedlm.layers.quantization.gguf import PackedEmbeddingMethod
+        from pagedlm.layers.quantization.gguf import GGUFLinearMethod, PackedEmbeddingMethod
 
-        if self.tied and not _is_int8(self.quant_method) and self.quant_method is not None:
+        if self.tied and isinstance(self.quant_method, GGUFLinearMethod):
             table = getattr(self._tied_embedding, "gguf_table", None)
             if table is None:  # the table was loaded dense: the dense tied path below
                 self.quant_method = None

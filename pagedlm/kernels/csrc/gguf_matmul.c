@@ -208,8 +208,8 @@ static void store_out(void* y, int64_t ldy, const void* bias, int64_t m, int64_t
 
 // y [M, N] (bf16 or fp32, as x; rows ldy >= N elements apart, so that a caller can write into
 // columns of a wider output) = x W^T (+ bias, in x's dtype). isa: 1 = AVX-512 VNNI,
-// 2 = AVX2, 0 = portable. Returns 1 if computed; 0 for bad arguments, an ISA not compiled in, or out of
-// memory.
+// 2 = AVX2, 0 = portable. Returns 1 if computed; 0 for bad arguments, an ISA not compiled in,
+// or out of memory.
 int gguf_gemv(const void* x, const uint8_t* qs, const uint8_t* qh, const void* scales,
               const void* mins, const float* sup, const float* msup, const void* bias, void* y,
               int64_t ldy, int64_t M, int64_t N, int64_t K, int bits, int group, int offset,

@@ -197,6 +197,9 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
 #define ATTEND_AVX512(DV)                                                                    \
   attend_avx512(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, DV,         \
                 token_stride, block_size, scale, bf16, &kv, part, lse, qf, scores, acc)
+#define ATTEND_AVX2(BF16)                                                                    \
+  attend_avx2(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, head_size,    \
+              token_stride, block_size, scale, bf16, BF16, part, lse, qf, acc, scores)
 #define ATTEND_AMX(DV)                                                                       \
   attend_amx(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, DV,            \
              token_stride, block_size, scale, &kv, part, lse, qb, scores, acc)
@@ -212,12 +215,8 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
 #endif
 #ifdef PAGEDLM_DECODE_AVX2
       if (head_size % 8 == 0 && (kind == KV_F32 || kind == KV_BF16)) {
-        if (kind == KV_BF16)
-          attend_avx2(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, head_size,
-                      token_stride, block_size, scale, bf16, 1, part, lse, qf, acc, scores);
-        else
-          attend_avx2(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, head_size,
-                      token_stride, block_size, scale, bf16, 0, part, lse, qf, acc, scores);
+        if (kind == KV_BF16) ATTEND_AVX2(1);
+        else ATTEND_AVX2(0);
         continue;
       }
 #endif
@@ -232,6 +231,7 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
 #undef ATTEND
 #undef ATTEND_AVX512
 #undef ATTEND_AMX
+#undef ATTEND_AVX2
     }
     // merge the splits of each (sequence, kv head): weights exp(lse_s - max lse)
 #pragma omp for schedule(dynamic)

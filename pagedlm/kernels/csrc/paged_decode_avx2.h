@@ -33,8 +33,8 @@ static inline __m256 exp256(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
 }
 
 // Lane j = the sum of v[j]'s lanes.
@@ -56,6 +56,19 @@ static inline __attribute__((always_inline)) float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// The cache row of the position at (*blk, *off) in the block table, then the next position:
+// keys are walked block by block, with no division per key.
+static inline __attribute__((always_inline)) int64_t next_row(const int64_t* table,
+                                                              int64_t block_size, int64_t* blk,
+                                                              int64_t* off) {
+  const int64_t row = table[*blk] * block_size + *off;
+  if (++*off == block_size) {
+    *off = 0;
+    ++*blk;
+  }
+  return row;
+}
+
 // Scores of keys [start, end) (head-major, rows of n), softmax, weighted values: as `attend`.
 static inline __attribute__((always_inline)) void attend_avx2(
     const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
@@ -68,25 +81,20 @@ static inline __attribute__((always_inline)) void attend_avx2(
     load_row(q, (b * num_heads + kh * group + g) * D, D, bf16, qg);
     for (int64_t d = 0; d < D; d++) qg[d] *= scale;
   }
-  // cache rows walked block by block: no division per key
   int64_t blk = start / block_size, off = start % block_size;
   for (int64_t t0 = 0; t0 < n; t0 += 8) {
     const int nk = n - t0 < 8 ? (int)(n - t0) : 8;
     int64_t base[8];
-    for (int j = 0; j < nk; j++) {
-      base[j] = (table[blk] * block_size + off) * token_stride + head_offset;
-      if (++off == block_size) {
-        off = 0;
-        blk++;
-      }
-    }
+    for (int j = 0; j < nk; j++)
+      base[j] = next_row(table, block_size, &blk, &off) * token_stride + head_offset;
     for (int64_t g = 0; g < group; g++) {
       const float* qg = qf + g * D;
       __m256 s[8];
       for (int j = 0; j < 8; j++) s[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int j = 0; j < nk; j++) s[j] = _mm256_fmadd_ps(qv, load8_kv(k_cache, base[j] + d, BF16), s[j]);
+        for (int j = 0; j < nk; j++)
+          s[j] = _mm256_fmadd_ps(qv, load8_kv(k_cache, base[j] + d, BF16), s[j]);
       }
       if (nk == 8) {
         _mm256_storeu_ps(scores + g * n + t0, sum_lanes8(s));
@@ -99,11 +107,10 @@ static inline __attribute__((always_inline)) void attend_avx2(
   }
   for (int64_t g = 0; g < group; g++) {
     float* sg = scores + g * n;
-    float mx = -INFINITY, sum = 0.f;
     int64_t t = 0;
     __m256 vmx = _mm256_set1_ps(-INFINITY), vsum = _mm256_setzero_ps();
     for (; t + 8 <= n; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sg + t));
-    mx = max_lanes(vmx);
+    float mx = max_lanes(vmx);
     for (; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
     const __m256 m8 = _mm256_set1_ps(mx);
     for (t = 0; t + 8 <= n; t += 8) {
@@ -111,7 +118,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
       _mm256_storeu_ps(sg + t, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    sum = sum_lanes(vsum);
+    float sum = sum_lanes(vsum);
     for (; t < n; t++) {
       sg[t] = exp_clamped(sg[t] - mx);
       sum += sg[t];
@@ -128,11 +135,8 @@ static inline __attribute__((always_inline)) void attend_avx2(
       for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
       int64_t vb = start / block_size, vo = start % block_size;
       for (int64_t t = 0; t < n; t++) {
-        const int64_t at = (table[vb] * block_size + vo) * token_stride + head_offset + d0;
-        if (++vo == block_size) {
-          vo = 0;
-          vb++;
-        }
+        const int64_t at =
+            next_row(table, block_size, &vb, &vo) * token_stride + head_offset + d0;
         const __m256 p = _mm256_set1_ps(sg[t]);
         for (int c = 0; c < chunks; c++)
           a[c] = _mm256_fmadd_ps(p, load8_kv(v_cache, at + 8 * c, BF16), a[c]);
