@@ -32,6 +32,17 @@ def release_mapped_pages(address: int, nbytes: int) -> None:
 _MADV_DONTNEED = 4
 
 
+def trim_malloc_heap() -> None:
+    """Give the heap pages freed so far back to the system (glibc's malloc_trim): loading
+    frees large temporaries (tokenizer parsing, weight repacking) that glibc would otherwise
+    keep resident. A no-op under another allocator or libc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(ctypes.c_size_t(0))
+
+
 @functools.cache
 def _madvise() -> Any:
     """libc's madvise (looked up once), or None where there is none."""

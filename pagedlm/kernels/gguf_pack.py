@@ -44,6 +44,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedlm.utils import release_mapped_pages
+
 _T = GGMLQuantizationType
 _ROW_CHUNK_VALUES = 1 << 22  # rows repacked per step: keeps the int temporaries small
 TILE_ROWS = 16  # rows per VNNI tile (one 16-lane int32 vector of dot products)
@@ -231,9 +233,16 @@ def _tiles(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def pack_gguf(
-    raw: np.ndarray | torch.Tensor, ggml_type: int, shape: tuple[int, int]
+    raw: np.ndarray | torch.Tensor,
+    ggml_type: int,
+    shape: tuple[int, int],
+    release_read: bool = False,
 ) -> PackedGGUFWeight:
-    """A GGUF tensor's raw bytes (row-major blocks) -> PackedGGUFWeight of `shape` [N, K]."""
+    """A GGUF tensor's raw bytes (row-major blocks) -> PackedGGUFWeight of `shape` [N, K].
+
+    `release_read`: `raw` views a read-only file mapping, whose pages are dropped from this
+    process as each chunk is decoded (so the file and the packed copy of a large tensor are
+    never resident at once); never on anonymous memory, which it would zero."""
     t = _T(int(ggml_type))
     if not can_pack(t, shape):
         raise ValueError(f"{t.name} tensor of shape {tuple(shape)} cannot be packed (K % 64)")
@@ -241,7 +250,10 @@ def pack_gguf(
     n, k = shape
     block, type_size = GGML_QUANT_SIZES[t]
     data = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(raw))
-    data = data.reshape(-1).view(torch.uint8)
+    flat = data.reshape(-1).view(torch.uint8)
+    # a strided view (a column shard) was copied: its copy is not the mapping's pages
+    release_read = release_read and flat.data_ptr() == data.data_ptr()
+    data = flat
     if data.numel() != n * k // block * type_size:
         raise ValueError(f"{t.name} tensor {tuple(shape)}: got {data.numel()} bytes")
     blocks = data.view(n, k // block, type_size)
@@ -253,7 +265,8 @@ def pack_gguf(
     step = max(1, _ROW_CHUNK_VALUES // k // TILE_ROWS) * TILE_ROWS
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        q, *parts = decode(blocks[r0:r1].reshape(-1, type_size))
+        chunk = blocks[r0:r1]
+        q, *parts = decode(chunk.reshape(-1, type_size))
         rows = -(-(r1 - r0) // TILE_ROWS) * TILE_ROWS  # the last tile padded with zeros
         t0, t1 = r0 // TILE_ROWS, r0 // TILE_ROWS + rows // TILE_ROWS
         qs[t0:t1], h = _tiles(_pad_rows(q.reshape(r1 - r0, k), rows), bits)
@@ -266,6 +279,8 @@ def pack_gguf(
             if name not in fields:
                 fields[name] = torch.zeros(tiles, *v.shape[1:], dtype=v.dtype)
             fields[name][t0:t1] = v
+        if release_read:  # after the last read of this chunk (`q` may view it)
+            release_mapped_pages(chunk.data_ptr(), chunk.numel())
     return PackedGGUFWeight(
         qs,
         qh,

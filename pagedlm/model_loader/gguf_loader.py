@@ -206,8 +206,10 @@ def iterate_gguf(
                     heads = config.num_key_value_heads
                 data = _unpermute(data, heads)  # a copy
             # only a view of the mapping may have its pages released (on a copy, madvise
-            # would zero live memory)
+            # would zero live memory); a copy's source pages go now
             file_backed = data.untyped_storage().data_ptr() == raw.ctypes.data
+            if not file_backed:
+                release_mapped_pages(raw.ctypes.data, raw.nbytes)
             yield name, GGUFRawTensor(data, tensor.ggml_type, tensor.shape, file_backed)
             continue
         matrix = len(tensor.shape) == 2

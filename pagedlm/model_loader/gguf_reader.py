@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import struct
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -41,6 +43,32 @@ _NUMPY = {
     11: np.int64,
     12: np.float64,
 }
+
+
+class GGUFStringArray(Sequence[str]):
+    """A metadata array of strings (a vocabulary, merges) decoded only where it is read:
+    the reader records where each string starts, holding 8 bytes per entry rather than a
+    Python string (a 150k-token vocabulary and its merges: 2.4 MB instead of ~40 MB)."""
+
+    def __init__(self, mv: memoryview, starts: array) -> None:
+        self._mv, self._starts = mv, starts
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def _decode(self, i: int) -> str:
+        start = self._starts[i]
+        (n,) = struct.unpack_from("<Q", self._mv, start)
+        return bytes(self._mv[start + 8 : start + 8 + n]).decode("utf-8", errors="replace")
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self._decode(j) for j in range(*i.indices(len(self)))]
+        return self._decode(range(len(self))[i])
 
 
 @dataclass
@@ -87,6 +115,13 @@ class GGUFFile:
                 arr = np.frombuffer(self._mv, dtype=dtype, count=count, offset=self._pos)
                 self._pos += arr.nbytes
                 return arr.tolist()
+            if item_type == 8:
+                starts = array("q")
+                for _ in range(count):
+                    starts.append(self._pos)
+                    n = self._read("Q")
+                    self._pos += n
+                return GGUFStringArray(self._mv, starts)
             return [self._value(item_type) for _ in range(count)]
         if vtype not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {vtype}")

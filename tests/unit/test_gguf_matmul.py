@@ -29,6 +29,7 @@ from pagedlm.kernels.gguf_pack import (
     quantize_activations,
 )
 from pagedlm.kernels.gguf_quants import dequantize
+from tests.proc_maps import HAS_SMAPS, resident_kb
 from tests.unit.test_gguf_quants import FP16_FIELDS, random_blocks
 
 T = GGMLQuantizationType
@@ -65,6 +66,21 @@ def test_packed_weight_dequantizes_to_ggml_values_exactly(t) -> None:
     # embedding lookups from a packed head: any rows, repeated, across and within tiles
     ids = torch.tensor([23, 0, 5, 5, 16, 17, 2])
     assert torch.equal(packed_rows(w, ids).view(torch.int32), want[ids].view(torch.int32))
+
+
+@pytest.mark.skipif(not HAS_SMAPS, reason="reads Linux's smaps")
+def test_packing_a_mapped_tensor_drops_its_pages(tmp_path) -> None:
+    """release_read: the file's pages leave the process chunk by chunk as they are packed
+    (the packed copy equals packing the same bytes from anonymous memory)."""
+    t, n, k = T.Q8_0, 2048, 4096  # 8.5 MB: several of the packer's row chunks
+    raw = _raw(t, n, k, 0, moderate=False)
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mapped = torch.from_numpy(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")))
+    assert resident_kb(path)[1] == 0
+    w = pack_gguf(mapped, t, (n, k), release_read=True)
+    assert resident_kb(path)[1] <= 64  # at most the fault-around of the last read
+    assert torch.equal(w.qs, pack_gguf(raw, t, (n, k)).qs)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)

@@ -130,12 +130,12 @@ class GGUFEmbeddingMethod:
     weight (`PackedEmbeddingMethod`)."""
 
     def load(self, layer: nn.Module, raw: GGUFRawTensor) -> None:
-        """This rank's rows of `raw`, copied out of the file's mapping (the layer then drops
-        its dense parameter: `VocabParallelEmbedding.look_up_with`)."""
+        """This rank's rows of `raw`, left in the file's mapping as llama.cpp leaves them, so
+        only the pages of rows looked up become resident (the layer then drops its dense
+        parameter: `VocabParallelEmbedding.look_up_with`); a tied head packs them and
+        releases their pages."""
         rows = min(layer.weight.shape[0], raw.shape[0] - layer.vocab_start)
-        mine = raw.narrow(0, layer.vocab_start, rows) if layer.tp_size > 1 else raw
-        layer.gguf_table = GGUFRawTensor(mine.data.clone(), mine.ggml_type, tuple(mine.shape))
-        mine.release()
+        layer.gguf_table = raw.narrow(0, layer.vocab_start, rows) if layer.tp_size > 1 else raw
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         table = layer.gguf_table
@@ -219,11 +219,15 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[Packe
             return
         offset, first = pending[0]
         rows = sum(t.shape[0] for _, t in pending)
-        data = torch.cat([t.data for _, t in pending]) if len(pending) > 1 else first.data
-        packed = pack_gguf(data, first.ggml_type, (rows, first.shape[1]))
+        if len(pending) > 1:  # e.g. fused q/k/v of one type: their pages go once copied
+            data = torch.cat([t.data for _, t in pending])
+            for _, raw in pending:
+                raw.release()
+        else:  # the packer drops the file's pages chunk by chunk as it reads them
+            data = first.data
+        release = len(pending) == 1 and first.file_backed
+        packed = pack_gguf(data, first.ggml_type, (rows, first.shape[1]), release_read=release)
         groups.append(PackedGroup(offset, rows, packed, None))
-        for _, raw in pending:
-            raw.release()
         pending.clear()
 
     at = 0
