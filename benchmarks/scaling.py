@@ -3,11 +3,13 @@
 latency.py (batch 1) with the same backends in one run per size:
 
     .venv/bin/python benchmarks/scaling.py --vllm-python PEERS/vllm/bin/python \\
-        [--sizes 0.5b,1.5b,3b] [--backends pagedlm,pagedlm-int8,pagedlm-w8a8,vllm,vllm-w8a8]
+        --llamacpp-python PEERS/llamacpp/bin/python [--sizes 0.5b,1.5b,3b] \\
+        [--backends pagedlm,pagedlm-int8,pagedlm-w8a8,vllm,vllm-w8a8,pagedlm-gguf,llamacpp]
 
-Models are written once under --models-dir (and their compressed-tensors W8A8 copies beside
-them). Writes benchmarks/results/scaling.json (plot.py draws it) and prints one table per
-workload: total tok/s (decode tok/s at batch 1), peak RSS, and ratios to vLLM-CPU bf16.
+Models are written once under --models-dir (and their compressed-tensors W8A8 copies and
+Q8_0 GGUF files beside them: make_shaped_gguf.py; `pagedlm-gguf` and `llamacpp` run those).
+Writes benchmarks/results/scaling.json (plot.py draws it) and prints one table per workload:
+total tok/s (decode tok/s at batch 1), peak RSS, and ratios to vLLM-CPU bf16.
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cache_dir, cpu_description  # noqa: E402
+from make_shaped_gguf import make_shaped_gguf  # noqa: E402
 from make_shaped_model import SHAPES, make_shaped_model  # noqa: E402
 
 HERE = Path(__file__).parent
-BACKENDS = "pagedlm,pagedlm-int8,pagedlm-w8a8,vllm,vllm-w8a8"
+BACKENDS = "pagedlm,pagedlm-int8,pagedlm-w8a8,vllm,vllm-w8a8,pagedlm-gguf,llamacpp"
 
 
 def run(script: str, model: Path, out: Path, args: argparse.Namespace, *extra: str) -> dict:
     cmd = [sys.executable, str(HERE / script), "--model", str(model), "--backends"]
     cmd += [args.backends, "--json", str(out), *extra]
-    if args.vllm_python:
-        cmd += ["--vllm-python", args.vllm_python]
+    for flag, value in (
+        ("--vllm-python", args.vllm_python),
+        ("--llamacpp-python", args.llamacpp_python),
+        ("--gguf", args.gguf),
+    ):
+        if value:
+            cmd += [flag, value]
     print("$", " ".join(cmd[1:]), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     data = json.loads(out.read_text())
@@ -64,6 +72,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="0.5b,1.5b,3b")
     parser.add_argument("--backends", default=BACKENDS)
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--llamacpp-python", default=None)
     parser.add_argument("--models-dir", default=str(cache_dir() / "shaped"))
     parser.add_argument("--json", default=str(HERE / "results" / "scaling.json"))
     args = parser.parse_args()
@@ -74,6 +83,12 @@ def main() -> None:
         model = Path(args.models_dir) / f"qwen2.5-{size}"
         if not (model / "config.json").is_file():
             make_shaped_model(size, model)
+        args.gguf = None
+        if {"pagedlm-gguf", "llamacpp"} & set(args.backends.split(",")):
+            args.gguf = str(model) + "-q8_0.gguf"
+            if not Path(args.gguf).is_file():
+                make_shaped_gguf(model, args.gguf + ".part", "Q8_0")
+                Path(args.gguf + ".part").rename(args.gguf)
         tmp = f"/tmp/pagedlm_scaling_{size}"
         table[size] = {
             "random": run(

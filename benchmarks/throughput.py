@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
 import sys
 import time
@@ -134,9 +135,74 @@ def run_transformers(spec: dict) -> dict:
     return best
 
 
+def run_llamacpp(spec: dict) -> dict:
+    """llama.cpp on the GGUF file with every request in one batch, as its `batched` example
+    runs them: each prompt prefilled into a KV stream of its own (`kv_unified` off, its advice
+    for sequences that share no prefix), n_batch tokens per llama_decode, then one token of
+    every unfinished sequence per llama_decode, greedy (the argmax of its logits)."""
+    import llama_cpp as lc
+    import numpy as np
+
+    requests = spec["requests"]
+    threads = int(os.environ["OMP_NUM_THREADS"])
+    n_batch = 2048
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(spec["gguf"].encode(), lc.llama_model_default_params())
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    params = lc.llama_context_default_params()
+    params.n_seq_max = len(requests)
+    params.n_ctx = len(requests) * -(-max(len(p) + n for p, n in requests) // 256) * 256
+    params.n_batch, params.n_ubatch, params.kv_unified = n_batch, 512, False
+    params.n_threads = params.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, params)
+    batch = lc.llama_batch_init(max(n_batch, len(requests)), 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> dict[int, int]:
+        """(token, position, sequence, wants logits) -> {sequence: its greedy next token}."""
+        nxt = {}
+        for start in range(0, len(entries), n_batch):
+            chunk = entries[start : start + n_batch]
+            batch.n_tokens = len(chunk)
+            for i, (token, pos, seq, logits) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, logits
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed (KV cache full?)")
+            for i, (_, _, seq, logits) in enumerate(chunk):
+                if logits:
+                    row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), (n_vocab,))
+                    nxt[seq] = int(row.argmax())
+        return nxt
+
+    def generate(reqs: list[tuple[list[int], int]]) -> int:
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        prefill = [
+            (t, pos, seq, pos == len(p) - 1)
+            for seq, (p, _) in enumerate(reqs)
+            for pos, t in enumerate(p)
+        ]
+        nxt, done = decode(prefill), dict.fromkeys(range(len(reqs)), 1)
+        while active := [s for s, (_, n) in enumerate(reqs) if done[s] < n]:
+            nxt.update(decode([(nxt[s], len(reqs[s][0]) + done[s] - 1, s, True) for s in active]))
+            for s in active:
+                done[s] += 1
+        return sum(done.values())
+
+    generate([(p[:32][::-1], 4) for p, _ in requests[:2]])  # warm-up, as run_llm_api's
+    start = time.perf_counter()
+    output_tokens = generate(requests)
+    elapsed = time.perf_counter() - start
+    return {
+        "elapsed": elapsed,
+        "input_tokens": sum(len(p) for p, _ in requests),
+        "output_tokens": output_tokens,
+    }
+
+
 WORKERS = {
     **{name: functools.partial(run_llm_api, name) for name in LLM_BACKENDS},
     "pagedlm-nocache": lambda spec: run_llm_api("pagedlm", spec, prefix_caching=False),
+    "llamacpp": run_llamacpp,
     "transformers": run_transformers,
 }
 
