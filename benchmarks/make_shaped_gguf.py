@@ -24,23 +24,12 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).parent))
 from common import ROOT, default_gguf  # noqa: E402
 
-# Hugging Face name part -> llama.cpp's
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+sys.path.insert(0, str(ROOT))
+from pagedlm.model_loader.gguf_loader import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES  # noqa: E402
+from pagedlm.model_loader.gguf_reader import GGUFFile  # noqa: E402
+
+LAYER_NAMES = {hf: name for name, hf in GGUF_LAYER_NAMES.items()}  # HF name part -> GGUF
+GLOBAL_NAMES = {f"{hf}.weight": f"{name}.weight" for name, hf in GGUF_GLOBAL_NAMES.items()}
 
 
 def gguf_name(name: str) -> str:
@@ -53,9 +42,6 @@ def gguf_name(name: str) -> str:
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, tokenizer_gguf: str) -> None:
     """The tokenizer.* metadata of another GGUF file, value types as the converter writes."""
-    sys.path.insert(0, str(ROOT))
-    from pagedlm.model_loader.gguf_reader import GGUFFile
-
     for key, value in GGUFFile(tokenizer_gguf).metadata.items():
         if not key.startswith("tokenizer."):
             continue

@@ -9,19 +9,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedlm.model_loader.gguf_loader import GGUF_LAYER_NAMES
 from pagedlm.models.llama import rope_params
 
-_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+_NAMES = {hf: name for name, hf in GGUF_LAYER_NAMES.items()}  # HF name part -> GGUF
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

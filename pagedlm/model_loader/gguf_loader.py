@@ -23,7 +23,8 @@ from pagedlm.utils import release_mapped_pages
 
 logger = logging.getLogger(__name__)
 
-_LAYER_NAMES = {
+# llama.cpp's tensor names -> Hugging Face's (one table for the loader and the writers)
+GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -37,12 +38,12 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
+    **GGUF_LAYER_NAMES,
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_GLOBAL_NAMES = {
+GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
@@ -137,12 +138,12 @@ def _hf_name(arch: str, name: str) -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)", name)
     if m:
         layer, part, kind = m.groups()
-        table = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+        table = _GEMMA_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES
         if part not in table:
             return None
         return f"model.layers.{layer}.{table[part]}.{kind}"
     base, _, kind = name.rpartition(".")
-    return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
+    return f"{GGUF_GLOBAL_NAMES[base]}.{kind}" if base in GGUF_GLOBAL_NAMES else None
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
