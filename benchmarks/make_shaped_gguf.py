@@ -25,19 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import ROOT, default_gguf  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-from pagedlm.model_loader.gguf_loader import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES  # noqa: E402
+from pagedlm.model_loader.gguf_loader import gguf_tensor_name  # noqa: E402
 from pagedlm.model_loader.gguf_reader import GGUFFile  # noqa: E402
-
-LAYER_NAMES = {hf: name for name, hf in GGUF_LAYER_NAMES.items()}  # HF name part -> GGUF
-GLOBAL_NAMES = {f"{hf}.weight": f"{name}.weight" for name, hf in GGUF_GLOBAL_NAMES.items()}
-
-
-def gguf_name(name: str) -> str:
-    if name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[name]
-    layer, rest = name.removeprefix("model.layers.").split(".", 1)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{LAYER_NAMES[part]}.{kind}"
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, tokenizer_gguf: str) -> None:
@@ -88,10 +77,10 @@ def make_shaped_gguf(
                 if data.ndim == 2 and matrix_type != gguf.GGMLQuantizationType.F32:
                     raw = gguf.quants.quantize(data, matrix_type)
                     writer.add_tensor(
-                        gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=matrix_type
+                        gguf_tensor_name(name), raw, raw_shape=raw.shape, raw_dtype=matrix_type
                     )
                 else:
-                    writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+                    writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=len(files) > 1)

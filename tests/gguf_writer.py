@@ -9,10 +9,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedlm.model_loader.gguf_loader import GGUF_LAYER_NAMES
+from pagedlm.model_loader.gguf_loader import gguf_tensor_name
 from pagedlm.models.llama import rope_params
-
-_NAMES = {hf: name for name, hf in GGUF_LAYER_NAMES.items()}  # HF name part -> GGUF
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -48,20 +46,11 @@ def write_llama_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # a tied file has no output.weight (llama.cpp reads token_embd)
         data = tensor.numpy()
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "lm_head.weight":
-            gguf_name = "output.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            part, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_NAMES[part]}.{kind}"
-            if part == "self_attn.q_proj":
-                data = llama_cpp_permute(data, cfg.num_attention_heads)
-            elif part == "self_attn.k_proj":
-                data = llama_cpp_permute(data, cfg.num_key_value_heads)
+        gguf_name = gguf_tensor_name(name)
+        if ".self_attn.q_proj." in name:
+            data = llama_cpp_permute(data, cfg.num_attention_heads)
+        elif ".self_attn.k_proj." in name:
+            data = llama_cpp_permute(data, cfg.num_key_value_heads)
         qtype = (quant or {}).get(gguf_name.split(".")[-2])
         if qtype is not None:
             raw = gguf.quants.quantize(np.ascontiguousarray(data), qtype)

@@ -23,7 +23,7 @@ from pagedlm.utils import release_mapped_pages
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp's tensor names -> Hugging Face's (one table for the loader and the writers)
+# llama.cpp's tensor names -> Hugging Face's (`gguf_tensor_name` the other way)
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -144,6 +144,18 @@ def _hf_name(arch: str, name: str) -> str | None:
         return f"model.layers.{layer}.{table[part]}.{kind}"
     base, _, kind = name.rpartition(".")
     return f"{GGUF_GLOBAL_NAMES[base]}.{kind}" if base in GGUF_GLOBAL_NAMES else None
+
+
+def gguf_tensor_name(name: str) -> str:
+    """llama.cpp's name of a Hugging Face tensor of a llama/qwen2/qwen3 model (the inverse
+    of `_hf_name`), as its converter writes it."""
+    for gguf_base, hf_base in GGUF_GLOBAL_NAMES.items():
+        if name.startswith(hf_base + "."):
+            return gguf_base + name.removeprefix(hf_base)
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    part, kind = rest.rsplit(".", 1)
+    gguf_part = next(g for g, hf in GGUF_LAYER_NAMES.items() if hf == part)
+    return f"blk.{layer}.{gguf_part}.{kind}"
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType, quants
 from safetensors import safe_open
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.model_loader.gguf_loader import gguf_tensor_name
 from pagedlm.model_loader.gguf_reader import GGUFFile
 from tests.e2e.test_tensor_parallel import _prompts
 
@@ -71,7 +72,7 @@ def test_q8_0_file_holds_the_weights(shaped, tmp_path) -> None:
             if name == "lm_head.weight":
                 continue
             want = f.get_tensor(name).astype(np.float32)
-            info = stored[writer.gguf_name(name)]
+            info = stored[gguf_tensor_name(name)]
             raw = np.frombuffer(reader.tensor_bytes(info), dtype=np.uint8)
             if want.ndim == 1:
                 assert info.ggml_type == GGMLQuantizationType.F32

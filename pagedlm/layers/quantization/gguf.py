@@ -220,12 +220,11 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[Packe
         offset, first = pending[0]
         rows = sum(t.shape[0] for _, t in pending)
         if len(pending) > 1:  # e.g. fused q/k/v of one type: their pages go once copied
-            data = torch.cat([t.data for _, t in pending])
+            data, release = torch.cat([t.data for _, t in pending]), False
             for _, raw in pending:
                 raw.release()
         else:  # the packer drops the file's pages chunk by chunk as it reads them
-            data = first.data
-        release = len(pending) == 1 and first.file_backed
+            data, release = first.data, first.file_backed
         packed = pack_gguf(data, first.ggml_type, (rows, first.shape[1]), release_read=release)
         groups.append(PackedGroup(offset, rows, packed, None))
         pending.clear()
