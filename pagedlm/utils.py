@@ -33,14 +33,19 @@ _MADV_DONTNEED = 4
 
 
 def trim_malloc_heap() -> None:
-    """Give the heap pages freed so far back to the system (glibc's malloc_trim): loading
-    frees large temporaries (tokenizer parsing, weight repacking) that glibc would otherwise
-    keep resident. A no-op under another allocator or libc."""
+    """Give the heap pages freed so far back to the system: loading frees large temporaries
+    (tokenizer parsing, weight repacking) that the allocator would otherwise keep resident.
+    tcmalloc's ReleaseFreeMemory where it is preloaded (gperftools' C API), else glibc's
+    malloc_trim; a no-op under another allocator or libc."""
     try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+        process = ctypes.CDLL(None)
+    except OSError:
         return
-    trim(ctypes.c_size_t(0))
+    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        release = getattr(process, name, None)
+        if release is not None:
+            release(*(ctypes.c_size_t(a) for a in args))
+            return
 
 
 @functools.cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 from pagedlm import envs
@@ -13,16 +14,23 @@ from pagedlm.config import ModelConfig
 _MISTRAL_TYPES = ("mistral", "mistral3", "voxtral", "ministral", "pixtral")
 
 
+# what transformers 5's tokenizers-backed classes keep of the vocabulary they built their Rust
+# tokenizer from (Qwen2: a dict of 151936 strings and a list of 151387 merges, ~60 MB)
+_CONSTRUCTION_COPIES = ("_vocab", "_merges")
+
+
 def load_tokenizer(model_config: ModelConfig) -> Any:
     if model_config.skip_tokenizer_init:
         return None
     try:
-        return get_tokenizer(
+        tokenizer = get_tokenizer(
             model_config.tokenizer,
             tokenizer_mode=model_config.tokenizer_mode,
             trust_remote_code=model_config.trust_remote_code,
             revision=model_config.tokenizer_revision,
         )
+        drop_construction_copies(tokenizer)
+        return tokenizer
     except NotImplementedError:
         raise
     except Exception as e:
@@ -31,6 +39,31 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
             "tokenizer=<directory with tokenizer files>, or skip_tokenizer_init=True and "
             "token-id prompts."
         ) from e
+
+
+def drop_construction_copies(tokenizer: Any) -> None:
+    """Drop the Python copies of the vocabulary a tokenizer's constructor built its Rust
+    tokenizer from, where no method of its class but a constructor reads them (Whisper's
+    save_vocabulary does: kept there)."""
+    names = [n for n in _CONSTRUCTION_COPIES if isinstance(vars(tokenizer).get(n), (dict, list))]
+    if names and not any(_reads(cls, name) for cls in type(tokenizer).__mro__ for name in names):
+        for name in names:
+            setattr(tokenizer, name, None)
+
+
+def _reads(cls: type, name: str) -> bool:
+    """Whether a method of `cls` other than `__init__` refers to attribute `name`."""
+
+    def refers(code: CodeType) -> bool:
+        inner = (c for c in code.co_consts if isinstance(c, CodeType))
+        return name in code.co_names or any(refers(c) for c in inner)
+
+    for attr, value in vars(cls).items():
+        fn = getattr(value, "__func__", value)
+        if attr != "__init__" and isinstance(getattr(fn, "__code__", None), CodeType):
+            if refers(fn.__code__):
+                return True
+    return False
 
 
 def get_tokenizer(

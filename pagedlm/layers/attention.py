@@ -97,6 +97,6 @@ def allocate_kv_caches(
     caches = []
     for layer in layers:
         shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-        layer.kv_cache = current_platform.zeros_lazy(shape, dtype)
+        layer.kv_cache = current_platform.zeros_lazy(shape, dtype, parts=2)  # K, V
         caches.append(layer.kv_cache)
     return caches

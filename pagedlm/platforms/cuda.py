@@ -30,7 +30,9 @@ class CudaPlatform(Platform):
     def total_memory_bytes(self) -> int:
         return torch.cuda.mem_get_info()[1]
 
-    def zeros_lazy(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def zeros_lazy(
+        self, shape: tuple[int, ...], dtype: torch.dtype, parts: int = 1
+    ) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device="cuda")
 
     def synchronize(self) -> None:

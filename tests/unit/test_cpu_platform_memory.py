@@ -1,15 +1,35 @@
 """Lazily mapped host zero tensors (`Platform.zeros_lazy`, every paged KV cache on the CPU):
 zero, writable, kept alive by the tensor, and mapped only where written (a 1 GiB cache costs
-no 1 GiB up front)."""
+no 1 GiB up front); each of its `parts` ranges (K and V) keeps 4 KiB pages for its
+first 2 MiB (a short context maps only what it writes) and huge pages past it."""
 
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 from pagedlm.platforms.cpu import CpuPlatform
+
+MiB = 1 << 20
+
+
+def mapping_kib(t: torch.Tensor) -> dict[str, int]:
+    """The smaps counters (kB) summed over the mappings that hold `t`'s bytes."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    totals: dict[str, int] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start < hi and end > lo
+        elif inside and head in ("Rss:", "AnonHugePages:"):
+            totals[head[:-1]] = totals.get(head[:-1], 0) + int(line.split()[1])
+    return totals
 
 
 def test_zero_writable_and_owned_by_the_tensor() -> None:
@@ -20,12 +40,27 @@ def test_zero_writable_and_owned_by_the_tensor() -> None:
     t[1, 3] = 1.5
     assert t.float().sum().item() == 1.5 * 16 * 2 * 64
     assert CpuPlatform().zeros_lazy((0, 4), torch.float32).shape == (0, 4)
+    odd = CpuPlatform().zeros_lazy((2, 3 * MiB + 5), torch.uint8, parts=2)  # not page-aligned
+    odd[1, -1] = 7
+    assert int(odd.sum()) == 7
 
 
 def test_pages_are_mapped_only_when_written() -> None:
     rss = psutil.Process().memory_info().rss
     t = CpuPlatform().zeros_lazy((1 << 30,), torch.uint8)
-    assert psutil.Process().memory_info().rss - rss < 64 << 20
-    t[: 8 << 20] = 1  # the first 8 MiB: at most a few huge pages more
-    assert psutil.Process().memory_info().rss - rss < 128 << 20
-    assert int(t[: 8 << 20].sum()) == 8 << 20 and not t[8 << 20 :].any()
+    assert psutil.Process().memory_info().rss - rss < 64 * MiB
+    t[: 8 * MiB] = 1  # the first 8 MiB: at most a few huge pages more
+    assert psutil.Process().memory_info().rss - rss < 128 * MiB
+    assert int(t[: 8 * MiB].sum()) == 8 * MiB and not t[8 * MiB :].any()
+
+
+def test_a_short_context_maps_4k_pages_and_a_long_one_huge_pages() -> None:
+    kv = CpuPlatform().zeros_lazy((2, 64 * MiB), torch.uint8, parts=2)  # one layer's K, V
+    kv[:, : 64 << 10] = 1  # 64 KiB of each: what a short context writes
+    assert mapping_kib(kv)["Rss"] < 1024  # no 2 MiB page per slice
+    assert mapping_kib(kv).get("AnonHugePages", 0) == 0
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not enabled.is_file() or "[never]" in enabled.read_text():
+        pytest.skip("transparent huge pages are off on this kernel")
+    kv[:, : 32 * MiB] = 1
+    assert mapping_kib(kv)["AnonHugePages"] > 0
