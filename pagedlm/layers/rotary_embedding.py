@@ -7,6 +7,7 @@ as Hugging Face does. Supported `rope_scaling` types: default, linear, llama3, y
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -138,6 +139,11 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
 
+# live rotary embeddings by their arguments: every layer of a model shares one (its tables
+# are read-only), as vLLM's get_rope does; held weakly, so they go with their models
+_ROPES: weakref.WeakValueDictionary[tuple, RotaryEmbedding] = weakref.WeakValueDictionary()
+
+
 def get_rope(
     head_size: int,
     rotary_dim: int,
@@ -145,12 +151,26 @@ def get_rope(
     base: float,
     rope_scaling: dict[str, Any] | None = None,
 ) -> RotaryEmbedding:
-    """The rotary embedding `rope_scaling` asks for; M-RoPE where it has an `mrope_section`."""
-    if rope_scaling and "mrope_section" in rope_scaling:
-        return MRotaryEmbedding(
-            head_size, rotary_dim, max_position, base, list(rope_scaling["mrope_section"])
-        )
-    return RotaryEmbedding(head_size, rotary_dim, max_position, base, rope_scaling)
+    """The rotary embedding `rope_scaling` asks for, M-RoPE where it has an `mrope_section`;
+    one module per set of arguments and default device (24 layers held 24 copies of the
+    cos/sin tables, 24 MB at 2048 positions)."""
+    key = (
+        head_size,
+        rotary_dim,
+        max_position,
+        base,
+        repr(sorted((rope_scaling or {}).items())),
+        str(torch.get_default_device()),
+    )
+    rope = _ROPES.get(key)
+    if rope is None:
+        if rope_scaling and "mrope_section" in rope_scaling:
+            section = list(rope_scaling["mrope_section"])
+            rope = MRotaryEmbedding(head_size, rotary_dim, max_position, base, section)
+        else:
+            rope = RotaryEmbedding(head_size, rotary_dim, max_position, base, rope_scaling)
+        _ROPES[key] = rope
+    return rope
 
 
 class MRotaryEmbedding(RotaryEmbedding):
