@@ -41,11 +41,11 @@ def trim_malloc_heap() -> None:
         process = ctypes.CDLL(None)
     except OSError:
         return
-    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
-        release = getattr(process, name, None)
-        if release is not None:
-            release(*(ctypes.c_size_t(a) for a in args))
-            return
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+    elif (trim := getattr(process, "malloc_trim", None)) is not None:
+        trim(ctypes.c_size_t(0))
 
 
 @functools.cache
