@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pagedlm.utils import release_mapped_pages
+from pagedlm.utils import huge_page_zeros, release_mapped_pages
 
 _T = GGMLQuantizationType
 _ROW_CHUNK_VALUES = 1 << 22  # rows repacked per step: keeps the int temporaries small
@@ -259,8 +259,9 @@ def pack_gguf(
     blocks = data.view(n, k // block, type_size)
     tiles = -(-n // TILE_ROWS)
     quads = k // 4 if bits == 8 else k // 8
-    qs = torch.zeros(tiles, quads, 64, dtype=torch.uint8)
-    qh = torch.zeros(tiles, k // 8, 16 * (bits - 4), dtype=torch.uint8) if bits in (5, 6) else None
+    # huge pages: a decode step streams every weight, and with 4 KiB pages misses the TLB
+    qs = huge_page_zeros((tiles, quads, 64), torch.uint8)
+    qh = huge_page_zeros((tiles, k // 8, 16 * (bits - 4)), torch.uint8) if bits in (5, 6) else None
     fields: dict[str, torch.Tensor] = {}  # scales, mins, super_scales, super_mins
     step = max(1, _ROW_CHUNK_VALUES // k // TILE_ROWS) * TILE_ROWS
     for r0 in range(0, n, step):
@@ -307,7 +308,7 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> PackedGGUFWeight:
     if q.dtype != torch.int8 or tuple(blocks.shape) != (n, k // 32) or k % 64:
         raise ValueError("pack_q8 takes int8 [N, K % 64 == 0] and scales [N] or [N, K/32]")
     tiles = -(-n // TILE_ROWS)
-    qs = torch.empty(tiles, k // 4, 64, dtype=torch.uint8)
+    qs = huge_page_zeros((tiles, k // 4, 64), torch.uint8)
     step = max(1, _ROW_CHUNK_VALUES // k // TILE_ROWS) * TILE_ROWS
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)

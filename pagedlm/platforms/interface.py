@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import mmap
 import random
 
 import numpy as np
 import torch
 
-_HUGE_PAGE = 2 << 20  # x86-64 and most arm64 kernels' transparent huge page
+from pagedlm.utils import huge_page_zeros
 
 
 class Platform:
@@ -79,30 +78,9 @@ class Platform:
     def zeros_lazy(
         self, shape: tuple[int, ...], dtype: torch.dtype, parts: int = 1
     ) -> torch.Tensor:
-        """A zero tensor in host memory whose pages the OS maps only when first written
-        (anonymous mmap). Each of its `parts` equal ranges (a KV cache's K and V) keeps 4 KiB
-        pages for its first huge page and is advised into transparent huge pages past it,
-        where the kernel allows (THP "madvise" or "always"): a paged KV cache is read block by
-        block all over its range, and with 4 KiB pages nearly every block is a TLB miss (decode
-        attention over 24 layers of 8 x 4096 tokens: 1.84 -> 1.57 ms per layer), while a
-        short context, whose blocks are the first ones handed out, maps only what it writes
-        instead of a 2 MiB page per range of every layer (96 MB on the default model)."""
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        if nbytes == 0:
-            return torch.zeros(shape, dtype=dtype)
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            part = nbytes // parts
-            for start in range(0, part * parts, part):
-                begin = -(-(start + _HUGE_PAGE) // mmap.PAGESIZE) * mmap.PAGESIZE
-                if begin >= start + part:
-                    continue
-                try:
-                    buf.madvise(mmap.MADV_HUGEPAGE, begin, start + part - begin)
-                except OSError:  # a kernel without THP: 4 KiB pages
-                    break
-        # the tensor keeps `buf` alive through the buffer protocol
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+        """A zero host tensor whose pages are mapped when first written, in huge pages past
+        the first 2 MiB of each of its `parts` ranges (`utils.huge_page_zeros`)."""
+        return huge_page_zeros(shape, dtype, parts)
 
     def prepack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """A device-specific layout of an [out, in] weight that `layers.linear.linear` accepts,

@@ -1,13 +1,12 @@
 """A worker's sleep calls (reached by `collective_rpc` by name): free and restore the KV
 cache (level >= 1) and discard the weights (level 2).
 
-Invariant: freed KV cache and weight pages are returned to the OS (`malloc_trim`) before
+Invariant: freed KV cache and weight pages are returned to the OS (`trim_malloc_heap`) before
 `sleep` returns; `wake_up_kv_cache` allocates the same blocks again.
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ import torch
 
 from pagedlm.layers.attention import allocate_kv_caches
 from pagedlm.models.weight_reload import check_can_discard, discard_weights
+from pagedlm.utils import trim_malloc_heap
 
 if TYPE_CHECKING:
     from pagedlm.models.interfaces import ModelBase
@@ -22,15 +22,12 @@ if TYPE_CHECKING:
 
 
 def release_memory_to_os() -> None:
-    """Return freed heap pages to the OS (glibc keeps them otherwise), and cached CUDA
-    blocks to the driver."""
+    """Return freed heap pages to the OS (the allocator keeps them otherwise), and cached
+    CUDA blocks to the driver."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_malloc_heap()
 
 
 class WorkerSleepMixin:

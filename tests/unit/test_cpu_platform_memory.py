@@ -1,7 +1,8 @@
 """Lazily mapped host zero tensors (`Platform.zeros_lazy`, every paged KV cache on the CPU):
 zero, writable, kept alive by the tensor, and mapped only where written (a 1 GiB cache costs
 no 1 GiB up front); each of its `parts` ranges (K and V) keeps 4 KiB pages for its
-first 2 MiB (a short context maps only what it writes) and huge pages past it."""
+first 2 MiB (a short context maps only what it writes) and huge pages past it; packed
+weights lie in huge pages."""
 
 from __future__ import annotations
 
@@ -64,3 +65,15 @@ def test_a_short_context_maps_4k_pages_and_a_long_one_huge_pages() -> None:
         pytest.skip("transparent huge pages are off on this kernel")
     kv[:, : 32 * MiB] = 1
     assert mapping_kib(kv)["AnonHugePages"] > 0
+
+
+def test_packed_weights_lie_in_huge_pages() -> None:
+    """A decode step streams every packed weight: in 4 KiB pages it misses the TLB."""
+    from pagedlm.kernels.gguf_pack import pack_q8
+
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not enabled.is_file() or "[never]" in enabled.read_text():
+        pytest.skip("transparent huge pages are off on this kernel")
+    q = torch.randint(-127, 128, (8192, 1024), dtype=torch.int8)
+    packed = pack_q8(q, torch.rand(8192))
+    assert mapping_kib(packed.qs)["AnonHugePages"] >= 4096  # of its 8 MiB
