@@ -45,24 +45,23 @@ def drop_construction_copies(tokenizer: Any) -> None:
     """Drop the Python copies of the vocabulary a tokenizer's constructor built its Rust
     tokenizer from, where no method of its class but a constructor reads them (Whisper's
     save_vocabulary does: kept there)."""
-    names = [n for n in _CONSTRUCTION_COPIES if isinstance(vars(tokenizer).get(n), (dict, list))]
-    if names and not any(_reads(cls, name) for cls in type(tokenizer).__mro__ for name in names):
+    names = {n for n in _CONSTRUCTION_COPIES if isinstance(vars(tokenizer).get(n), (dict, list))}
+    if names and not any(_reads(cls, names) for cls in type(tokenizer).__mro__):
         for name in names:
             setattr(tokenizer, name, None)
 
 
-def _reads(cls: type, name: str) -> bool:
-    """Whether a method of `cls` other than `__init__` refers to attribute `name`."""
+def _reads(cls: type, names: set[str]) -> bool:
+    """Whether a method of `cls` other than `__init__` refers to an attribute in `names`."""
 
     def refers(code: CodeType) -> bool:
         inner = (c for c in code.co_consts if isinstance(c, CodeType))
-        return name in code.co_names or any(refers(c) for c in inner)
+        return not names.isdisjoint(code.co_names) or any(refers(c) for c in inner)
 
     for attr, value in vars(cls).items():
-        fn = getattr(value, "__func__", value)
-        if attr != "__init__" and isinstance(getattr(fn, "__code__", None), CodeType):
-            if refers(fn.__code__):
-                return True
+        code = getattr(getattr(value, "__func__", value), "__code__", None)
+        if attr != "__init__" and isinstance(code, CodeType) and refers(code):
+            return True
     return False
 
 

@@ -33,6 +33,12 @@ def mapping_kib(t: torch.Tensor) -> dict[str, int]:
     return totals
 
 
+def skip_without_huge_pages() -> None:
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not enabled.is_file() or "[never]" in enabled.read_text():
+        pytest.skip("transparent huge pages are off on this kernel")
+
+
 def test_zero_writable_and_owned_by_the_tensor() -> None:
     t = CpuPlatform().zeros_lazy((2, 8, 16, 2, 64), torch.bfloat16)
     assert t.shape == (2, 8, 16, 2, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
@@ -60,9 +66,7 @@ def test_a_short_context_maps_4k_pages_and_a_long_one_huge_pages() -> None:
     kv[:, : 64 << 10] = 1  # 64 KiB of each: what a short context writes
     assert mapping_kib(kv)["Rss"] < 1024  # no 2 MiB page per slice
     assert mapping_kib(kv).get("AnonHugePages", 0) == 0
-    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not enabled.is_file() or "[never]" in enabled.read_text():
-        pytest.skip("transparent huge pages are off on this kernel")
+    skip_without_huge_pages()
     kv[:, : 32 * MiB] = 1
     assert mapping_kib(kv)["AnonHugePages"] > 0
 
@@ -71,9 +75,7 @@ def test_packed_weights_lie_in_huge_pages() -> None:
     """A decode step streams every packed weight: in 4 KiB pages it misses the TLB."""
     from pagedlm.kernels.gguf_pack import pack_q8
 
-    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not enabled.is_file() or "[never]" in enabled.read_text():
-        pytest.skip("transparent huge pages are off on this kernel")
+    skip_without_huge_pages()
     q = torch.randint(-127, 128, (8192, 1024), dtype=torch.int8)
     packed = pack_q8(q, torch.rand(8192))
     assert mapping_kib(packed.qs)["AnonHugePages"] >= 4096  # of its 8 MiB
