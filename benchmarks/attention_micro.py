@@ -1,8 +1,9 @@
 """Per-layer attention time of the C paged kernels on the default model's shapes (14 query
-heads, 2 KV heads, head size 64, bf16, 16-token blocks), with the achieved GFLOP/s
-(4 * head_size flops per query-key pair inside the causal mask). Short; machine noise applies.
+heads, 2 KV heads, head size 64, 16-token blocks; bf16, or fp32 as AVX2 machines run it), with
+the achieved GFLOP/s (4 * head_size flops per query-key pair inside the causal mask). Short;
+machine noise applies.
 
-    python benchmarks/attention_micro.py [--contexts 4096 16384] [--chunk 512]
+    python benchmarks/attention_micro.py [--contexts 4096 16384] [--chunk 512] [--dtype float32]
 
 Rows: a fresh prompt of `context` tokens in one chunk (when it is at most 4096), a `chunk`-token
 prefill chunk after `context` cached tokens, and one decode step at `context`.
@@ -45,11 +46,12 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     lib = cpu_kernels()
     if lib is None:
         raise SystemExit("no C compiler: the C kernels are not built")
-    dtype, scale = torch.bfloat16, HEAD_SIZE**-0.5
+    dtype, scale = getattr(torch, args.dtype), HEAD_SIZE**-0.5
     print(f"{'case':<30}{'ms':>10}{'GFLOP/s':>10}")
     for context in args.contexts:
         cases = [("fresh", context, context)] if context <= 4096 else []

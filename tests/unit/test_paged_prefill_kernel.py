@@ -1,6 +1,7 @@
 """The tiled C prefill kernel against a dense fp64 reference and the PyTorch SDPA path, at
 contexts spanning many blocks, several chunks per sequence, GQA, sliding windows and partial
-blocks, in fp32 and bf16, for the portable, AVX-512 fp32 and AVX-512 BF16 inner paths."""
+blocks, in fp32 and bf16, for the portable, AVX-512 fp32, AVX-512 BF16 and AVX2 inner paths (each
+machine runs the ones its CPU has)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ LONG = [(0, 70), (300, 64), (517, 37), (129, 1), (64, 100)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [8, 48, 64, 128, 256])  # 8, 48: portable; others AVX-512
+@pytest.mark.parametrize("d", [8, 48, 64, 128, 256])  # 8: portable; 48: portable or AVX2
 def test_long_contexts_head_sizes(dtype, d) -> None:
     check(LONG, 4, 2, d, 16, dtype, None, seed=d)
 

@@ -12,18 +12,21 @@
 // Memory: O(rows x head_size + KT x head_size) per thread; no mask and no gathered copy of the
 // context exists.
 //
-// Three inner paths share this structure: portable C (any head size), AVX-512 in fp32
-// (head_size % 16 == 0) and AVX-512 BF16 dot products (bf16 queries, bf16 or fp8 cache,
-// head_size 64 / 128 / 256); the AVX-512 paths are specialized for those head sizes.
+// Four inner paths share this structure: portable C (any head size), AVX-512 in fp32
+// (head_size % 16 == 0), AVX-512 BF16 dot products (bf16 queries, bf16 or fp8 cache,
+// head_size 64 / 128 / 256) and, without AVX-512, AVX2 in fp32 (head_size % 16 == 0); the
+// vector paths are specialized for the common head sizes.
 #include <stdlib.h>
 
 #include "common.h"
+#include "paged_prefill_avx2.h"
 #include "paged_prefill_bf16.h"  // includes paged_prefill_tiles.h
 
 #define ITEM_ROWS 512  // rows (query token x head of the group) per work item
 
 // ---------------------------------------------------------------- one work item
-// PATH 0: portable, 1: AVX-512 fp32, 2: AVX-512 BF16. DV = head_size / 16 for paths 1 and 2.
+// PATH 0: portable, 1: AVX-512 fp32, 2: AVX-512 BF16, 3: AVX2 fp32. DV = head_size / 16 for
+// paths 1 and 2, head_size / 8 for path 3.
 static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scratch* s,
                                                               int64_t req, int64_t kh,
                                                               int64_t i0, int64_t i1,
@@ -36,7 +39,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
   const int64_t* table = a->block_table + req * a->max_blocks;
   const int64_t rows = (i1 - i0) * G;
   const int64_t rows_pad = (rows + RB_ROWS - 1) / RB_ROWS * RB_ROWS;  // whole row blocks
-  // The AVX-512 paths keep scores in base 2 (scale * log2(e) folded in, exp2 in the softmax).
+  // The vector paths keep scores in base 2 (scale * log2(e) folded in, exp2 in the softmax).
   const float scale = PATH == 0 ? a->scale : a->scale * 1.4426950408889634f;
   // queries: prescaled fp32, or raw bf16 pairs (the BF16 softmax applies the scale)
   for (int64_t r = 0; r < rows_pad; r++) {
@@ -70,6 +73,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
 #ifdef PAGEDLM_AVX512
     if (PATH == 1) pack_f32_avx512(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
 #endif
+#ifdef PAGEDLM_PREFILL_AVX2
+    if (PATH == 3) pack_f32_avx2(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
+#endif
     if (PATH == 0) pack_f32(a, table, kh, t0, hi, s->kt, s->vf, s->acc + rows_pad * d);
     // Row blocks: scores, softmax and P.V of RB_ROWS rows while their scores are in L1.
     for (int64_t rb = 0; rb < rows_pad; rb += RB_ROWS) {
@@ -83,6 +89,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
 #endif
 #ifdef PAGEDLM_AVX512
       if (PATH == 1) qk_f32_avx512(s->qf + rb * d, s->kt, s->p, RB_ROWS, DV, kb);
+#endif
+#ifdef PAGEDLM_PREFILL_AVX2
+      if (PATH == 3) qk_f32_avx2(s->qf + rb * d, s->kt, s->p, DV, kb);
 #endif
       if (PATH == 0) qk_f32(s->qf + rb * d, s->kt, s->p, RB_ROWS, d);
       for (int64_t r = rb; r < rb + RB_ROWS; r++) {
@@ -107,6 +116,12 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
           continue;
         }
 #endif
+#ifdef PAGEDLM_PREFILL_AVX2
+        if (PATH == 3) {
+          softmax_row_avx2(s, pr, r, jlo, jhi, kb);
+          continue;
+        }
+#endif
         softmax_row(s, pr, r, jlo, jhi);
       }
 #ifdef PAGEDLM_PREFILL_BF16
@@ -114,6 +129,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
 #endif
 #ifdef PAGEDLM_AVX512
       if (PATH == 1) pv_f32_avx512(s, s->vf, rb, DV, kb);
+#endif
+#ifdef PAGEDLM_PREFILL_AVX2
+      if (PATH == 3) pv_f32_avx2(s, s->vf, rb, DV, kb);
 #endif
       if (PATH == 0) pv_f32(s, s->vf, rb, d);
     }
@@ -153,6 +171,16 @@ static void attend_item(const Args* a, Scratch* s, int path, int64_t req, int64_
     }
   }
 #endif
+#ifdef PAGEDLM_PREFILL_AVX2
+  if (path == 3) {
+    switch (a->head_size) {
+      case 64: TILE(3, 8); return;
+      case 128: TILE(3, 16); return;
+      case 256: TILE(3, 32); return;
+      default: TILE(3, (int)(a->head_size / 8)); return;
+    }
+  }
+#endif
   TILE(0, 0);
 #undef TILE
 }
@@ -174,6 +202,9 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
                   scale,      k_scale,         v_scale,       bf16,
                   kind};
   int path = 0;
+#ifdef PAGEDLM_PREFILL_AVX2
+  if (head_size % 16 == 0) path = 3;
+#endif
 #ifdef PAGEDLM_AVX512
   if (head_size % 16 == 0 && head_size <= 256 && (head_size & (head_size - 1)) == 0) path = 1;
 #endif
