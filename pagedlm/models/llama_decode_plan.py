@@ -10,8 +10,9 @@ part on GPUs.
 
 It applies (`LlamaDecodePlan.supports`) when every linear runs a kernel the plan replays
 (`_linear_kind`: packed groups, GGUF or int8, whose GEMV or GEMM writes straight into columns
-of the fused outputs, or bf16 weights of the small-batch kernels: blocked for AVX-512 BF16,
-dense for AMX), the C attention backend runs, one dtype holds activations, norms and the KV
+of the fused outputs; bf16 weights of the small-batch kernels, blocked for AVX-512 BF16, dense
+for AMX; or any other unquantized weight, through the modules' own `linear`, copied into the
+plan's buffer: fp32 on every CPU, bf16 on AVX2), the C attention backend runs, one dtype holds activations, norms and the KV
 cache, and tensor parallelism is off. The model runner keeps one plan per batch size, up to
 `max_rows` (64) sequences, for decode-only steps without LoRA adapters or speculative
 decoding; all share one set of buffers (`DecodeBuffers`). A plan keeps the tensors it was
@@ -36,6 +37,7 @@ from pagedlm.kernels.cpu_attention import paged_decode_args, reshape_and_cache_a
 from pagedlm.layers.activation import SiluAndMul
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.layernorm import RMSNorm
+from pagedlm.layers.linear import linear as dense_linear
 from pagedlm.layers.quantization.base import UnquantizedLinearMethod
 from pagedlm.layers.quantization.gguf import GEMV_ROWS, PackedLinearMethod, takes_gemv
 from pagedlm.models.llama import (
@@ -58,14 +60,17 @@ def _linear_kind(linear: nn.Module) -> str | None:
     """Which kernel the layer runs on a small batch: "gguf" (every group packed: the integer
     GEMV / GEMM), "blocked" (a bf16 weight in the AVX-512 BF16 small-batch layout next to its
     prepacked copy: `gemv_bf16_blocked`), "amx" (the dense bf16 weight next to its prepacked
-    copy: AMX `small_batch_linear`), or None (a path the plan does not replay)."""
+    copy: AMX `small_batch_linear`), "dense" (any other unquantized weight: the modules'
+    `linear`, oneDNN or the AVX2 small-batch kernel), or None (a path the plan does not
+    replay)."""
     method = linear.quant_method
     if isinstance(method, PackedLinearMethod):
         return "gguf" if all(g.packed is not None for g in linear.packed_groups) else None
+    if type(method) is not UnquantizedLinearMethod:
+        return None
     w, bias = linear.weight, linear.bias
     bf16 = (
-        isinstance(method, UnquantizedLinearMethod)
-        and linear.packed_weight is not None
+        linear.packed_weight is not None
         and w.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
     )
@@ -73,7 +78,12 @@ def _linear_kind(linear: nn.Module) -> str | None:
         return "blocked"
     # AMX keeps the dense weight for its small-batch kernel; its shape rules, checked here
     amx = bf16 and w.dim() == 2 and kc.small_batch_linear_isa() == "amx"
-    return "amx" if amx and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 else None
+    return "amx" if amx and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 else "dense"
+
+
+def _dense_linear_into(x: torch.Tensor, linear: nn.Module, y: torch.Tensor) -> None:
+    """y = the layer's method on x, as the modules compute it (`UnquantizedLinearMethod`)."""
+    y.copy_(dense_linear(x, linear.weight, linear.bias, linear.packed_weight))
 
 
 class DecodeBuffers:
@@ -182,7 +192,9 @@ class LlamaDecodePlan:
         def watch(ns: dict, *names: str) -> None:
             for name in names:
                 v = ns.get(name)
-                out.append((ns, name, v, v.data_ptr() if isinstance(v, nn.Parameter) else 0))
+                # an mkldnn (oneDNN-prepacked) tensor has no data pointer: identity alone
+                dense = isinstance(v, nn.Parameter) and not v.is_mkldnn
+                out.append((ns, name, v, v.data_ptr() if dense else 0))
 
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -214,9 +226,13 @@ class LlamaDecodePlan:
 
     def _linear(self, lib, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         """y = linear(x) as the layer's method computes it for these rows: one GEMV per packed
-        GGUF group, into its columns of y; or the AVX-512 BF16 kernel on a blocked weight."""
+        GGUF group, into its columns of y; the small-batch kernel on a bf16 weight; or the
+        modules' own dense path."""
         bias = linear.bias
         kind = _linear_kind(linear)
+        if kind == "dense":
+            self.calls.append((_dense_linear_into, (x, linear, y), _NO_STATUS))
+            return
         if kind == "blocked":
             args = kc.blocked_linear_args(x, linear.weight, bias, y)
             self.calls.append((lib.gemv_bf16_blocked, args, _OK_NONZERO))

@@ -1,8 +1,9 @@
 """The decode plan (models/llama_decode_plan.py) replays the modules' own kernel calls, so a
 generation with it equals one without it bit for bit: same tokens, same logprobs. Checked on a
-tiny llama GGUF whose projections are all packed (mixed types, fused q/k/v of two types) and on
-the bf16 checkpoint where the AVX-512 BF16 small-batch kernel reads blocked weights, for 1 to 3
-sequences per step; the plan notices replaced tensors; other models run the modules."""
+tiny llama GGUF whose projections are all packed (mixed types, fused q/k/v of two types), on
+the int8 one, and on the dense checkpoint in bf16 (the small-batch kernels: blocked for AVX-512
+BF16, dense for AMX and AVX2) and fp32 (oneDNN), for 1 to 6 sequences per step; the plan
+notices replaced tensors; other linear paths run the modules."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.kernels.cpu import cpu_kernels, small_batch_linear_isa
+from pagedlm.kernels.cpu import cpu_kernels
 from pagedlm.layers.quantization.gguf import GEMV_ROWS, takes_gemv
 from pagedlm.models.llama_decode_plan import MAX_ROWS, LlamaDecodePlan
 from tests.e2e.test_quantized_models import mixed_gguf  # noqa: F401 (fixture)
@@ -43,7 +44,13 @@ def _generate(model, tokenizer, max_num_seqs: int, dtype: str, **kwargs) -> list
 
 @pytest.mark.parametrize(
     "source,dtype",
-    [("gguf", "float32"), ("gguf", "bfloat16"), ("dense", "bfloat16"), ("int8", "bfloat16")],
+    [
+        ("gguf", "float32"),
+        ("gguf", "bfloat16"),
+        ("dense", "bfloat16"),
+        ("dense", "float32"),
+        ("int8", "bfloat16"),
+    ],
 )
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 6])
 def test_decode_plan_equals_modules(
@@ -54,8 +61,6 @@ def test_decode_plan_equals_modules(
     source,
     dtype,
 ) -> None:
-    if source == "dense" and small_batch_linear_isa() not in ("avx512_bf16", "amx"):
-        pytest.skip("bf16 weights run a small-batch kernel on AVX-512 BF16 and AMX only")
     model = mixed_gguf if source == "gguf" else tiny_llama
     kwargs = {"quantization": "int8"} if source == "int8" else {}
     rows_seen: list[int] = []
@@ -108,22 +113,21 @@ def test_decode_plan_notices_replaced_tensors(tiny_llama, mixed_gguf) -> None:  
         llm.llm_engine.shutdown()
 
 
-def test_other_linear_paths_run_the_modules(
-    tiny_llama,
-    mixed_gguf,  # noqa: F811
-    monkeypatch,
-) -> None:
-    """fp32 dense weights (oneDNN) and a GGUF dequantized at load in fp32."""
-    for model, env in ((tiny_llama, "0"), (mixed_gguf, "1")):
-        monkeypatch.setenv("PAGEDLM_GGUF_DEQUANTIZE", env)
-        kwargs = {"max_model_len": 128, "max_num_seqs": 1, "dtype": "float32"}
-        llm = LLM(str(model), tokenizer=str(tiny_llama), **kwargs)
+def test_other_linear_paths_run_the_modules(tiny_llama, mixed_gguf) -> None:  # noqa: F811
+    """A GGUF group left unpacked (a type without a packed kernel) takes the dequantizing
+    path, which the plan does not replay: the model runs the modules."""
+    llm = LLM(str(mixed_gguf), tokenizer=str(tiny_llama), max_model_len=128, max_num_seqs=1)
+    try:
+        runner = _runner(llm)
+        assert LlamaDecodePlan.supports(runner.model)
+        group = runner.model.model.layers[1].mlp.down_proj.packed_groups[0]
+        packed, group.packed = group.packed, None
         try:
-            llm.generate([{"prompt_token_ids": [5, 6, 7]}], PARAMS, use_tqdm=False)
-            runner = _runner(llm)
-            assert not LlamaDecodePlan.supports(runner.model) and not runner._decode_plans
+            assert not LlamaDecodePlan.supports(runner.model)
         finally:
-            llm.llm_engine.shutdown()
+            group.packed = packed
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_decode_plan_with_a_one_token_prompt_chunk(tiny_llama, mixed_gguf, monkeypatch) -> None:  # noqa: F811
