@@ -12,13 +12,13 @@ It applies (`LlamaDecodePlan.supports`) when every linear runs a kernel the plan
 (`_linear_kind`: packed groups, GGUF or int8, whose GEMV or GEMM writes straight into columns
 of the fused outputs; bf16 weights of the small-batch kernels, blocked for AVX-512 BF16, dense
 for AMX; or any other unquantized weight, through the modules' own `linear`, copied into the
-plan's buffer: fp32 on every CPU, bf16 on AVX2), the C attention backend runs, one dtype holds activations, norms and the KV
-cache, and tensor parallelism is off. The model runner keeps one plan per batch size, up to
-`max_rows` (64) sequences, for decode-only steps without LoRA adapters or speculative
-decoding; all share one set of buffers (`DecodeBuffers`). A plan keeps the tensors it was
-built from; `current()` is False once any of them was replaced (weights reloaded, KV cache
-re-allocated after sleep), and the runner builds a new one. PAGEDLM_DISABLE_DECODE_PLAN=1
-turns it off.
+plan's buffer: fp32 on every CPU, bf16 on AVX2), the C attention backend runs, one dtype
+holds activations, norms and the KV cache, and tensor parallelism is off. The model runner
+keeps one plan per batch size, up to `max_rows` (64) sequences, for decode-only steps without
+LoRA adapters or speculative decoding; all share one set of buffers (`DecodeBuffers`). A
+plan keeps the tensors it was built from; `current()` is False once any of them was replaced
+(weights reloaded, KV cache re-allocated after sleep), and the runner builds a new one.
+PAGEDLM_DISABLE_DECODE_PLAN=1 turns it off.
 """
 
 from __future__ import annotations
