@@ -18,7 +18,8 @@ static inline __attribute__((always_inline)) __m256 load8_kv_any(const void* bas
     const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + offset));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)((const uint8_t*)base + offset)));
+  const __m128i w =
+      _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)((const uint8_t*)base + offset)));
   if (kind == KV_FP8_E5M2)
     return _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16(w, 8)), _mm256_set1_ps(scale));
   const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
@@ -130,7 +131,8 @@ static inline __attribute__((always_inline)) void qk_f32_avx2(const float* qf, c
 
 // All-ones in the lanes kg .. kg + 7 that lie in jlo .. jhi.
 static inline __m256 lane_mask8(int kg, int64_t jlo, int64_t jhi) {
-  const __m256i j = _mm256_add_epi32(_mm256_set1_epi32(kg), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i j =
+      _mm256_add_epi32(_mm256_set1_epi32(kg), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(j, _mm256_set1_epi32((int)jlo - 1)),
                                       _mm256_cmpgt_epi32(_mm256_set1_epi32((int)jhi + 1), j));
   return _mm256_castsi256_ps(in);
