@@ -113,13 +113,29 @@ class ModelRunner:
         """The layers' paged KV caches (`allocate_kv_caches`), the draft model's too."""
         self.block_size = block_size
         self.input_batch = self._new_input_batch()
-        dtype = self.kv_cache_dtype()
-        self.kv_caches = allocate_kv_caches(self.attn_layers, num_blocks, block_size, dtype)
         for layer in self.attn_layers:
             layer.calculate_kv_scales = self.vllm_config.cache_config.calculate_kv_scales
-        self._plan_rows = None
+        self.allocate_kv_caches(num_blocks)
+
+    def allocate_kv_caches(self, num_blocks: int) -> None:
+        """The layers' caches of `num_blocks` blocks (zeroed, pages mapped when first used)."""
+        dtype, block_size = self.kv_cache_dtype(), self.block_size
+        self.kv_caches = allocate_kv_caches(self.attn_layers, num_blocks, block_size, dtype)
         if isinstance(self.proposer, DraftModelProposer):
             allocate_kv_caches(self.proposer.attn_layers, num_blocks, block_size, dtype)
+        self._plan_rows = None
+
+    def free_kv_caches(self) -> None:
+        """Drop every reference to the KV caches: the layers' (the draft model's too) and the
+        decode plans', which hold the caches and weights they were built for; sleep frees
+        that memory only once no plan is left."""
+        layers = self.attn_layers
+        if isinstance(self.proposer, DraftModelProposer):
+            layers = layers + self.proposer.attn_layers
+        for layer in layers:
+            layer.kv_cache = None
+        self.kv_caches = []
+        self._plan_rows, self._plan_buffers, self._decode_plans = None, None, {}
 
     def reset_requests(self) -> None:
         """Forget the batch after a failed step: the scheduler sends every request again whole."""

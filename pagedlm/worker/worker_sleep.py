@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedlm.layers.attention import allocate_kv_caches
 from pagedlm.models.weight_reload import check_can_discard, discard_weights
 from pagedlm.utils import trim_malloc_heap
 
@@ -33,7 +32,7 @@ def release_memory_to_os() -> None:
 class WorkerSleepMixin:
     model_runner: ModelRunner | None
     _model: ModelBase  # Worker's: the loaded model
-    _kv_blocks: tuple[int, int]
+    _kv_num_blocks: int
 
     def kv_cache_nbytes(self) -> int:
         assert self.model_runner is not None, "load_model() first"
@@ -49,10 +48,8 @@ class WorkerSleepMixin:
         assert runner is not None, "load_model() first"
         freed = self.kv_cache_nbytes()
         if runner.kv_caches:  # [2, num_blocks, block_size, ...]: what wake_up allocates again
-            self._kv_blocks = tuple(runner.kv_caches[0].shape[1:3])
-        for layer in runner.attn_layers:
-            layer.kv_cache = None
-        runner.kv_caches = []
+            self._kv_num_blocks = runner.kv_caches[0].shape[1]
+        runner.free_kv_caches()
         if level >= 2:
             mapping = self._model.stacked_params_mapping
             freed += discard_weights(self._model, mapping)
@@ -66,7 +63,4 @@ class WorkerSleepMixin:
         assert runner is not None, "load_model() first"
         if runner.kv_caches:
             return
-        num_blocks, block_size = self._kv_blocks
-        runner.kv_caches = allocate_kv_caches(
-            runner.attn_layers, num_blocks, block_size, runner.kv_cache_dtype()
-        )
+        runner.allocate_kv_caches(self._kv_num_blocks)
