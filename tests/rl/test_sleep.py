@@ -181,3 +181,17 @@ def test_fp8_kv_cache_wakes_up_as_fp8(tiny_qwen2):
     assert llm.collective_rpc(lambda w: {c.dtype for c in w.model_runner.kv_caches}) == dtypes
     assert dtypes == [{torch.float8_e4m3fn}]
     assert run(llm) == before
+
+
+def test_sleep_frees_the_draft_models_cache_too(tiny_qwen2):
+    """With a draft model, its layers' caches go with the target's and come back on waking."""
+    draft = {"method": "draft_model", "model": str(tiny_qwen2), "num_speculative_tokens": 3}
+    llm = LLM(str(tiny_qwen2), speculative_config=draft, **SLEEPY)
+    before = run(llm)
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    layers = runner.attn_layers + runner.proposer.attn_layers
+    llm.sleep(level=1)
+    assert all(layer.kv_cache is None for layer in layers)
+    llm.wake_up()
+    assert all(layer.kv_cache is not None for layer in layers)
+    assert run(llm) == before
