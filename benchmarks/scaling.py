@@ -1,10 +1,11 @@
 """The scaling table: random-weight models with Qwen2.5-0.5B, -1.5B and -3B's shapes
-(make_shaped_model.py), each run by throughput.py (`random`, 32 x 256 in / 128 out) and
-latency.py (batch 1) with the same backends in one run per size:
+(make_shaped_model.py), each run by throughput.py (`random`, 32 x 256 in / 128 out; `long`,
+8 x 4096 in / 64 out) and latency.py (batch 1) with the same backends in one run per size:
 
     .venv/bin/python benchmarks/scaling.py --vllm-python PEERS/vllm/bin/python \\
         --llamacpp-python PEERS/llamacpp/bin/python [--sizes 0.5b,1.5b,3b] \\
-        [--backends pagedlm,pagedlm-int8,pagedlm-w8a8,vllm,vllm-w8a8,pagedlm-gguf,llamacpp]
+        [--backends pagedlm,pagedlm-int8,pagedlm-w8a8,vllm,vllm-w8a8,pagedlm-gguf,llamacpp] \\
+        [--workloads random,long,batch1]
 
 Models are written once under --models-dir (and their compressed-tensors W8A8 copies and
 Q8_0 GGUF files beside them: make_shaped_gguf.py; `pagedlm-gguf` and `llamacpp` run those).
@@ -49,16 +50,20 @@ def run(script: str, model: Path, out: Path, args: argparse.Namespace, *extra: s
 def print_tables(table: dict) -> None:
     for workload, metric, unit in (
         ("random", "total_tok_s", "total tok/s"),
+        ("long", "total_tok_s", "total tok/s"),
         ("batch1", "decode_tok_s", "decode tok/s"),
     ):
+        if not any(workload in cols for cols in table.values()):
+            continue
         print(f"\n{workload}: {unit} (peak RSS MB) and ratio to vllm bf16")
         sizes = list(table)
         print(f"{'backend':<14}" + "".join(f"{s:>26}" for s in sizes))
-        backends = {b for s in sizes for b in table[s][workload]}
+        backends = {b for s in sizes for b in table[s].get(workload, {})}
         for b in sorted(backends):
             cells = []
             for s in sizes:
-                r, base = table[s][workload].get(b, {}), table[s][workload].get("vllm", {})
+                cols = table[s].get(workload, {})
+                r, base = cols.get(b, {}), cols.get("vllm", {})
                 if metric not in r:
                     cells.append(f"{r.get('error', '-'):>26}")
                     continue
@@ -71,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="0.5b,1.5b,3b")
     parser.add_argument("--backends", default=BACKENDS)
+    parser.add_argument("--workloads", default="random,long,batch1")
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--llamacpp-python", default=None)
     parser.add_argument("--models-dir", default=str(cache_dir() / "shaped"))
@@ -90,23 +96,20 @@ def main() -> None:
                 make_shaped_gguf(model, args.gguf + ".part", "Q8_0")
                 Path(args.gguf + ".part").rename(args.gguf)
         tmp = f"/tmp/pagedlm_scaling_{size}"
-        table[size] = {
-            "random": run(
-                "throughput.py",
-                model,
-                Path(tmp + "_random.json"),
-                args,
-                *("--workload", "random", "--num-prompts", "32"),
-                *("--input-len", "256", "--output-len", "128"),
-            ),
-            "batch1": run(
-                "latency.py",
-                model,
-                Path(tmp + "_batch1.json"),
-                args,
-                *("--input-len", "128", "--output-len", "32", "--repeats", "1"),
-            ),
-        }
+        commands = {
+            "random": ("throughput.py", "--workload", "random", "--num-prompts", "32",
+                       "--input-len", "256", "--output-len", "128"),
+            "long": ("throughput.py", "--workload", "long"),
+            "batch1": ("latency.py", "--input-len", "128", "--output-len", "32",
+                       "--repeats", "1"),
+        }  # fmt: skip
+        table[size] = {}
+        for workload in args.workloads.split(","):
+            if workload not in commands:
+                raise SystemExit(f"--workloads: {workload!r} is not one of {', '.join(commands)}")
+            script, *extra = commands[workload]
+            out = Path(f"{tmp}_{workload}.json")
+            table[size][workload] = run(script, model, out, args, *extra)
         print_tables(table)
         source = {
             "cpu": cpu_description(),

@@ -1,75 +1,141 @@
 // y[M, N] = x[M, K] . W[N, K]^T (+ bias) on AMX-INT8, for int8 weights with one scale per
 // output channel: the 8-bit tiles of gguf_pack.py (pack_q8), q + 128 as unsigned bytes, whose
 // 64-byte k-quad vectors are, 16 at a time, exactly the B tiles of TDPBSUD (row j: 4 values of
-// each of 16 columns). Prefill chunks and large decode batches of quantization="int8" and
-// compressed-tensors W8A8 layers.
+// each of 16 columns). Prefill chunks and decode batches past the GEMV's of quantization="int8"
+// and compressed-tensors W8A8 layers.
 //
-// 1. Every row of x is quantized to int8 per QB-value block (the caller's: 128; QB = K, per
-//    token as vLLM's W8A8, is 10-25% faster but costs +0.8% perplexity on the default model):
-//    as[m][b] = amax / 127, and corr[m][b] = 128 * (the block's sum of quants) undoes the +128
-//    of the weights.
-// 2. Rows are taken in blocks of ACT_BLOCK_BYTES of quantized activations (each thread's L2
-//    keeps them while the whole weight streams past); threads split a block's pairs of weight
-//    tiles (32 output columns) and run its 32-row groups against them: per activation block,
-//    four int32 C tiles accumulate its QB values (exact), and fp32 sums take
-//    as[m][b] * (C - corr[m][b]); then y = ws[n] * sum (+ bias[n]).
+// 1. Every row of x is quantized to int8 per QB-value block (the caller's: 128; per token, as
+//    vLLM's W8A8, is faster but costs ~+0.8% perplexity on the default model): as[m][b] =
+//    amax / 127, and corr[m][b] = 128 * (the block's sum of quants) undoes the + 128 of the
+//    weights. The quants are laid out as the A tiles they become: per 32-row group and 64-value
+//    k-step, 2 KB (rows 0-15, then 16-31), so each tile load reads 1 KB in a row.
+// 2. Rows go in blocks whose quants fit in L2 (BLOCK_BYTES), quantized just before use;
+//    threads split the block's pairs of weight tiles (32 output columns). For a pair, K goes
+//    in chunks of CHUNK activation blocks whose weights (8 KB) stay in L1 while every 32-row
+//    group of the block runs against them: per activation block four int32 C tiles
+//    accumulate its QB values (exact) and are stored, then acc[m][n] += as[m][b] * (C -
+//    corr[m][b]) in fp32, one pass over acc per chunk. Then y = ws[n] * acc (+ bias[n]).
+//
+// On 2 Sapphire Rapids cores the tile products do not overlap the AVX-512 work, so the time is
+// the TDPs plus the per-block fp32 accumulation: grouping blocks, keeping the chunk's weights
+// in L1 and the block's quants in L2 took a cold 512 x 17920 x 1536 product from 2.6 to ~3.4
+// TOPS, and a 32-row decode one from 1.6 to 1.25 ms (memory-bound: 1.1; benchmarks/gemm_micro.py).
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "gguf_common.h"
 
-#define ACT_BLOCK_BYTES (768 * 1024)  // activation rows per block, L2-resident (of 2 MiB)
+#define BLOCK_BYTES (5 << 18)   // quantized activation rows per block, L2-resident (of 2 MiB)
+#define CHUNK 2                 // activation blocks per pass over acc (and per L1 weight chunk)
+#define PREFETCH_BYTES 2048     // weight bytes prefetched ahead of the first row group's loads
 
 #if defined(PAGEDLM_AMX) && defined(__AMX_INT8__)
 #define PAGEDLM_AMX_INT8 1
 
-// C tiles 0, 1 (rows m0 .. m0 + 15) and 2, 3 (the next 16, when MT == 2) = A . B over K
-// values k0 .. k1 - 1 for weight tiles t0 (tile 6) and t0 + 1 (tile 7, when NT == 2); A rows in
-// tiles 4 and 5.
-static inline __attribute__((always_inline)) void block(const int8_t* aq, const uint8_t* qs,
-                                                        int64_t m0, int64_t t0, int64_t K,
-                                                        int64_t k0, int64_t k1, const int MT,
-                                                        const int NT) {
+// The A-tile layout of step 1: row m, values k .. k + 63 (k a multiple of 64).
+static inline int8_t* packed_row(int8_t* aq, int64_t m, int64_t k, int64_t K) {
+  return aq + (m / 32) * 32 * K + (k / 64) * 2048 + (m % 32) * 64;
+}
+
+// Row m of x (a block from row mb) -> its quants in the A-tile layout at row i = m - mb,
+// as[i * nb + b] and corr[i * nb + b].
+static void quantize_packed(const void* x, int64_t m, int64_t mb, int64_t K, int64_t QB,
+                            int bf16, int8_t* aq, float* as, int32_t* corr) {
+  const int64_t nb = K / QB, i0 = m - mb;
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t at = m * K + QB * b;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = 0; i < QB; i += 16)
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, at + i, bf16)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = QB * b; k < QB * (b + 1); k += 64) {  // one A-tile row of 64 quants
+      __m128i q[4];
+      for (int j = 0; j < 4; j++) {
+        // |x * inv| <= 127: the saturating narrowing changes nothing
+        const __m512 xv = load16(x, m * K + k + 16 * j, bf16);
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(xv, inv));
+        sum = _mm512_add_epi32(sum, v);
+        q[j] = _mm512_cvtsepi32_epi8(v);
+      }
+      const __m512i row = _mm512_inserti32x4(
+          _mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(q[0]), q[1], 1), q[2], 2),
+          q[3], 3);
+      _mm512_store_si512(packed_row(aq, i0, k, K), row);
+    }
+    as[i0 * nb + b] = amax / 127.f;
+    corr[i0 * nb + b] = 128 * _mm512_reduce_add_epi32(sum);
+  }
+}
+
+// C tiles 0, 1 (rows 0-15 of the group at `a`) and 2, 3 (rows 16-31) = A . B over one
+// activation block (QB values from k0) for weight tiles b0 (tile 6) and b1 (tile 7, when NT
+// == 2); stored as 32 rows x 32 int32 at c. `ahead`: prefetch the weights PREFETCH_BYTES on.
+static inline __attribute__((always_inline)) void block_product(const int8_t* a,
+                                                                const uint8_t* b0,
+                                                                const uint8_t* b1, int64_t k0,
+                                                                int64_t QB, int32_t* c,
+                                                                int ahead, const int NT) {
   _tile_zero(0);
+  _tile_zero(2);
   if (NT > 1) _tile_zero(1);
-  if (MT > 1) _tile_zero(2);
-  if (MT > 1 && NT > 1) _tile_zero(3);
-  const int8_t* a = aq + m0 * K;
-  const uint8_t* b0 = qs + t0 * (K / 4) * 64;
-  const uint8_t* b1 = b0 + (K / 4) * 64;
-  for (int64_t k = k0; k < k1; k += 64) {
-    _tile_loadd(4, a + k, K);
+  if (NT > 1) _tile_zero(3);
+  for (int64_t k = k0; k < k0 + QB; k += 64) {
+    if (ahead)
+      for (int l = 0; l < 1024; l += 64) {
+        _mm_prefetch((const char*)b0 + k * 16 + PREFETCH_BYTES + l, _MM_HINT_T0);
+        if (NT > 1) _mm_prefetch((const char*)b1 + k * 16 + PREFETCH_BYTES + l, _MM_HINT_T0);
+      }
+    _tile_loadd(4, a + k * 32, 64);
     _tile_loadd(6, b0 + k * 16, 64);
     _tile_dpbsud(0, 4, 6);
+    _tile_loadd(5, a + k * 32 + 1024, 64);
+    _tile_dpbsud(2, 5, 6);
     if (NT > 1) {
       _tile_loadd(7, b1 + k * 16, 64);
       _tile_dpbsud(1, 4, 7);
+      _tile_dpbsud(3, 5, 7);
     }
-    if (MT > 1) {
-      _tile_loadd(5, a + 16 * K + k, K);
-      _tile_dpbsud(2, 5, 6);
-      if (NT > 1) _tile_dpbsud(3, 5, 7);
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(2, c + 512, 128);
+  if (NT > 1) _tile_stored(1, c + 16, 128);
+  if (NT > 1) _tile_stored(3, c + 528, 128);
+}
+
+// acc rows 0 .. 31 (32 fp32 columns each) (+)= sum over g < nc of as[i][b + g] * (c[g] -
+// corr[i][b + g]), i = i0 + row (rows of the block).
+static inline __attribute__((always_inline)) void accumulate(const int32_t* c, int64_t nc,
+                                                             const float* as,
+                                                             const int32_t* corr, int64_t nb,
+                                                             int64_t b, int64_t i0, float* acc,
+                                                             int first, const int NT) {
+  for (int64_t r = 0; r < 32; r++) {
+    const int64_t at = (i0 + r) * nb + b;
+    __m512 lo = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 32 * r);
+    __m512 hi = first || NT < 2 ? _mm512_setzero_ps() : _mm512_load_ps(acc + 32 * r + 16);
+    for (int64_t g = 0; g < nc; g++) {
+      const int32_t* row = c + g * 1024 + 32 * r;
+      const __m512i cr = _mm512_set1_epi32(corr[at + g]);
+      const __m512 s = _mm512_set1_ps(as[at + g]);
+      lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(row), cr)), s,
+                           lo);
+      if (NT > 1)
+        hi = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(row + 16), cr)), s, hi);
     }
+    _mm512_store_ps(acc + 32 * r, lo);
+    if (NT > 1) _mm512_store_ps(acc + 32 * r + 16, hi);
   }
 }
 
-// acc[r] (+)= as[m][b] * (c[r] - corr[m][b]) for rows m = m0 + r < m0 + rows; nb blocks a row.
-static inline void accumulate(const int32_t* c, const float* as, const int32_t* corr,
-                              int64_t nb, int64_t b, int64_t m0, int64_t rows, float* acc,
-                              int first) {
-  for (int64_t r = 0; r < rows; r++) {
-    const int64_t at = (m0 + r) * nb + b;
-    const __m512i v = _mm512_sub_epi32(_mm512_load_si512(c + 16 * r), _mm512_set1_epi32(corr[at]));
-    const __m512 f = _mm512_cvtepi32_ps(v), s = _mm512_set1_ps(as[at]);
-    __m512 out = first ? _mm512_mul_ps(f, s) : _mm512_fmadd_ps(f, s, _mm512_load_ps(acc + 16 * r));
-    _mm512_store_ps(acc + 16 * r, out);
-  }
-}
-
-// y rows m0 .. m0 + rows - 1, the columns of weight tile t: ws[n] * acc (+ bias).
-static inline void finish(const float* acc, const float* ws, const void* bias, void* y,
-                          int64_t ldy, int64_t m0, int64_t rows, int64_t t, int64_t N, int bf16) {
+// y rows m0 .. m0 + rows - 1, columns 16 t .. 16 t + 15 (acc columns `half` * 16 on):
+// ws[n] * acc (+ bias[n]).
+static inline void finish(const float* acc, int half, const float* ws, const void* bias,
+                          void* y, int64_t ldy, int64_t m0, int64_t rows, int64_t t, int64_t N,
+                          int bf16) {
   const int64_t n0 = t * TILE;
   const __mmask16 lanes = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
   const __m512 w = _mm512_loadu_ps(ws + n0);
@@ -81,8 +147,33 @@ static inline void finish(const float* acc, const float* ws, const void* bias, v
     b = _mm512_maskz_loadu_ps(lanes, (const float*)bias + n0);
   }
   for (int64_t r = 0; r < rows; r++) {
-    const __m512 out = _mm512_fmadd_ps(_mm512_load_ps(acc + 16 * r), w, b);
+    const __m512 out = _mm512_fmadd_ps(_mm512_load_ps(acc + 32 * r + 16 * half), w, b);
     store16_lanes(y, (m0 + r) * ldy + n0, out, bf16, lanes);
+  }
+}
+
+// One pair of weight tiles (t0, and t0 + 1 when NT == 2) against rows mb .. mend - 1 (a
+// block): K in chunks of CHUNK activation blocks, every 32-row group per chunk.
+static inline __attribute__((always_inline)) void pair_product(
+    const int8_t* aq, const float* as, const int32_t* corr, const uint8_t* qs, const float* ws,
+    const void* bias, void* y, int64_t ldy, int64_t mb, int64_t mend, int64_t t0, int64_t N,
+    int64_t K, int64_t QB, int bf16, int32_t* c, float* acc, const int NT) {
+  const int64_t nb = K / QB;
+  const uint8_t* b0 = qs + t0 * (K / 4) * 64;
+  const uint8_t* b1 = b0 + (K / 4) * 64;
+  for (int64_t b = 0; b < nb; b += CHUNK) {
+    const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
+    for (int64_t m0 = mb; m0 < mend; m0 += 32) {
+      for (int64_t g = 0; g < nc; g++)
+        block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, m0 == mb,
+                      NT);
+      accumulate(c, nc, as, corr, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, NT);
+    }
+  }
+  for (int64_t m0 = mb; m0 < mend; m0 += 32) {
+    const int64_t rows = mend - m0 < 32 ? mend - m0 : 32;
+    for (int j = 0; j < NT; j++)
+      finish(acc + (m0 - mb) * 32, j, ws, bias, y, ldy, m0, rows, t0 + j, N, bf16);
   }
 }
 #endif
@@ -104,74 +195,45 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
                   int num_threads) {
 #ifdef PAGEDLM_AMX_INT8
   if (M < 1 || N < 1 || QB < 64 || QB % 64 || K % QB || !amx_permitted()) return 0;
-  const int64_t mpad = (M + 15) / 16 * 16, tiles = (N + TILE - 1) / TILE, nb = K / QB;
-  int64_t rows_per_block = ACT_BLOCK_BYTES / K / 32 * 32;
+  const int64_t tiles = (N + TILE - 1) / TILE, nb = K / QB;
+  int64_t rows_per_block = BLOCK_BYTES / K / 32 * 32;
   if (rows_per_block < 32) rows_per_block = 32;
-  int8_t* aq = aligned_alloc(64, mpad * K);
-  float* as = calloc(mpad * nb, sizeof(float));
-  int32_t* corr = calloc(mpad * nb, sizeof(int32_t));
+  if (rows_per_block > (M + 31) / 32 * 32) rows_per_block = (M + 31) / 32 * 32;
+  // one block's quants, scales and corrections, reused block by block (the rows of a last,
+  // partial 32-row group past M hold zeros or an earlier block's rows: computed, never stored)
+  int8_t* aq = aligned_alloc(64, rows_per_block * K);
+  float* as = calloc(rows_per_block * nb, sizeof(float));
+  int32_t* corr = calloc(rows_per_block * nb, sizeof(int32_t));
   int ok = aq != NULL && as != NULL && corr != NULL;
   if (ok) {
-    memset(aq + M * K, 0, (mpad - M) * K);
-#pragma omp parallel num_threads(num_threads)
-    {
-      float* buf = malloc(sizeof(float) * act_scratch(K));
-      if (buf == NULL) {
-#pragma omp atomic write
-        ok = 0;
-      }
-#pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; m++) {
-        if (buf == NULL) continue;
-        int32_t* sums16 = (int32_t*)(buf + K + K / 32);
-        quantize_row(x, m, K, bf16, QB, aq + m * K, as + m * nb, sums16, buf);
-        for (int64_t b = 0; b < nb; b++) {
-          int32_t total = 0;
-          for (int64_t s = b * QB / 16; s < (b + 1) * QB / 16; s++) total += sums16[s];
-          corr[m * nb + b] = 128 * total;
-        }
-      }
-      free(buf);
-    }
-  }
-  if (ok) {
+    memset(aq, 0, rows_per_block * K);
 #pragma omp parallel num_threads(num_threads)
     {
       amx_configure_full_tiles(8);
-      int32_t c[4][256] __attribute__((aligned(64)));
-      float acc[4][256] __attribute__((aligned(64)));
+      int32_t* c = aligned_alloc(64, CHUNK * 1024 * sizeof(int32_t));
+      float* acc = aligned_alloc(64, rows_per_block * 32 * sizeof(float));
+      if (c == NULL || acc == NULL) {
+#pragma omp atomic write
+        ok = 0;
+      }
       for (int64_t mb = 0; mb < M; mb += rows_per_block) {
         const int64_t mend = mb + rows_per_block < M ? mb + rows_per_block : M;
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < (tiles + 1) / 2; p++) {
-        const int64_t t0 = 2 * p;
-        const int NT = t0 + 1 < tiles ? 2 : 1;
-        for (int64_t m0 = mb; m0 < mend; m0 += 32) {
-          const int MT = M - m0 > 16 ? 2 : 1;
-          const int64_t top = M - m0 < 16 ? M - m0 : 16;
-          const int64_t bottom = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
-          for (int64_t b = 0; b < nb; b++) {
-            const int64_t k0 = b * QB, k1 = k0 + QB;
-            if (MT == 2 && NT == 2) block(aq, qs, m0, t0, K, k0, k1, 2, 2);
-            else if (MT == 2) block(aq, qs, m0, t0, K, k0, k1, 2, 1);
-            else if (NT == 2) block(aq, qs, m0, t0, K, k0, k1, 1, 2);
-            else block(aq, qs, m0, t0, K, k0, k1, 1, 1);
-            _tile_stored(0, c[0], 64);
-            if (NT > 1) _tile_stored(1, c[1], 64);
-            if (MT > 1) _tile_stored(2, c[2], 64);
-            if (MT > 1 && NT > 1) _tile_stored(3, c[3], 64);
-            for (int j = 0; j < NT; j++) {
-              accumulate(c[j], as, corr, nb, b, m0, top, acc[j], b == 0);
-              if (MT > 1) accumulate(c[2 + j], as, corr, nb, b, m0 + 16, bottom, acc[2 + j], b == 0);
-            }
-          }
-          for (int j = 0; j < NT; j++) {
-            finish(acc[j], ws, bias, y, ldy, m0, top, t0 + j, N, bf16);
-            if (MT > 1) finish(acc[2 + j], ws, bias, y, ldy, m0 + 16, bottom, t0 + j, N, bf16);
-          }
+        for (int64_t m = mb; m < mend; m++)
+          quantize_packed(x, m, mb, K, QB, bf16, aq, as, corr);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < (tiles + 1) / 2; p++) {
+          if (c == NULL || acc == NULL) continue;
+          if (2 * p + 1 < tiles)
+            pair_product(aq, as, corr, qs, ws, bias, y, ldy, mb, mend, 2 * p, N, K, QB, bf16,
+                         c, acc, 2);
+          else
+            pair_product(aq, as, corr, qs, ws, bias, y, ldy, mb, mend, 2 * p, N, K, QB, bf16,
+                         c, acc, 1);
         }
       }
-      }
+      free(c);
+      free(acc);
       _tile_release();
     }
   }

@@ -1,0 +1,60 @@
+"""Batched linear time on one weight shape: the int8 W8A8 GEMM pagedlm runs for
+quantization="int8" (AMX-INT8 where it runs, else the VNNI or AVX2 kernels) against oneDNN
+bf16 on its prepacked weight (what pagedlm's bf16 path and vLLM-CPU call), with cold weights:
+`--copies` distinct weights are cycled, as a forward pass streams every layer's from memory.
+Short; machine noise applies.
+
+    python benchmarks/gemm_micro.py [--shape 17920x1536] [--rows 32 512 4096] [--copies 10]
+
+Prints T(FL)OP/s (2 M N K per call) and milliseconds per call for each row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedlm.kernels.gguf_pack import pack_q8
+from pagedlm.layers.quantization.gguf import gguf_linear
+from pagedlm.layers.quantization.int8 import quantize_per_channel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="17920x1536", help="N x K (output x input features)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 512, 4096])
+    parser.add_argument("--copies", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    n, k = (int(v) for v in args.shape.split("x"))
+    torch.manual_seed(0)
+    weights = []
+    for _ in range(args.copies):
+        w = torch.randn(n, k) * 0.02
+        bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
+        weights.append((pack_q8(*quantize_per_channel(w)), bf16))
+    kernels = {
+        "int8": lambda x, w: gguf_linear(x, w[0]),
+        "bf16 oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(
+            x, w[1], None, "none", [], ""
+        ),
+    }
+    print(f"N={n} K={k}, {args.copies} weights cycled, {torch.get_num_threads()} threads")
+    for m in args.rows:
+        x = torch.randn(m, k).bfloat16()
+        for name, fn in kernels.items():
+            for w in weights[:2]:
+                fn(x, w)
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                for w in weights:
+                    fn(x, w)
+            seconds = (time.perf_counter() - start) / (args.repeats * len(weights))
+            tops = 2 * m * n * k / seconds / 1e12
+            print(f"M={m:5d} {name:12s} {tops:6.2f} T/s {seconds * 1e3:8.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
