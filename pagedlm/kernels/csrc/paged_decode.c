@@ -122,38 +122,47 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
   const KV kv = {kind, k_scale, v_scale};
+  int use_amx = 0;
+#ifdef PAGEDLM_AMX
+  use_amx = bf16 && kind == KV_BF16 && group <= 16 && block_size % 16 == 0 &&
+            (head_size == 64 || head_size == 128 || head_size == 256) && amx_permitted();
+#endif
+  // Where every head of a sequence fits one AMX score tile (16 columns), an item attends all
+  // its kv heads: it reads whole token rows, as contiguous as the cache lays them out, rather
+  // than one kv head's part of each row (1.4x the bandwidth on SPR). Items are then (sequence,
+  // split) with all heads: as if the model had one kv head of num_heads query heads.
+  const int fuse = use_amx && num_heads <= 16;
+  const int64_t item_kv = fuse ? 1 : num_kv_heads, item_heads = num_heads / item_kv;
   int64_t* splits = malloc(sizeof(int64_t) * (3 * num_seqs + 1));
   if (splits == NULL) return -1;
   int64_t* first_item = splits + num_seqs;  // [num_seqs + 1]
   int64_t* first_part = first_item + num_seqs + 1;  // partial-row index, split sequences only
-  paged_decode_num_splits(seq_lens, num_seqs, num_kv_heads, window, min_split > 0 ? min_split : 256,
+  paged_decode_num_splits(seq_lens, num_seqs, item_kv, window, min_split > 0 ? min_split : 256,
                           num_threads, splits);
   int64_t max_piece = 1, num_parts = 0;
   first_item[0] = 0;
   for (int64_t b = 0; b < num_seqs; b++) {
     const int64_t piece = (attended(seq_lens[b], window) + splits[b] - 1) / splits[b];
     max_piece = piece > max_piece ? piece : max_piece;
-    first_item[b + 1] = first_item[b] + splits[b] * num_kv_heads;
+    first_item[b + 1] = first_item[b] + splits[b] * item_kv;
     first_part[b] = num_parts;
-    if (splits[b] > 1) num_parts += splits[b] * num_kv_heads;
+    if (splits[b] > 1) num_parts += splits[b] * item_kv;
   }
   const int64_t num_items = first_item[num_seqs];
-  // per split item: [group][head_size] normalized fp32 rows, then [group] log-sum-exps
-  float* parts = num_parts ? malloc(sizeof(float) * num_parts * group * (head_size + 1)) : NULL;
+  // per split item: [item_heads][head_size] normalized fp32 rows, then [item_heads]
+  // log-sum-exps
+  float* parts =
+      num_parts ? malloc(sizeof(float) * num_parts * item_heads * (head_size + 1)) : NULL;
   if (num_parts && parts == NULL) {
     free(splits);
     return -1;
   }
-  float* lses = parts ? parts + num_parts * group * head_size : NULL;
-#ifdef PAGEDLM_AMX
-  const int use_amx = bf16 && kind == KV_BF16 && group <= 16 && block_size % 16 == 0 &&
-                      (head_size == 64 || head_size == 128 || head_size == 256) && amx_permitted();
-#endif
+  float* lses = parts ? parts + num_parts * item_heads * head_size : NULL;
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
-    float* qf = malloc(sizeof(float) * group * head_size);
-    float* acc = malloc(sizeof(float) * group * head_size);
+    float* qf = malloc(sizeof(float) * item_heads * head_size);
+    float* acc = malloc(sizeof(float) * item_heads * head_size);
     // scores: token-major and 16 heads wide for AMX, with 32 rows of slack (it scores whole
     // aligned runs of 16 from below a split's start to above its end); head-major for AVX-512
     // (rows of one piece, at most DECODE_PIECE) and the portable path (rows of max_piece)
@@ -161,7 +170,7 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
     float* scores = malloc(sizeof(float) * width * (max_piece + 32));
     float* row = malloc(sizeof(float) * head_size);
 #ifdef PAGEDLM_AMX
-    uint16_t* qb = malloc(sizeof(uint16_t) * 16 * head_size);
+    uint16_t* qb = malloc(sizeof(uint16_t) * 16 * head_size * (fuse ? num_kv_heads : 1));
     if (use_amx && qb != NULL) amx_configure();
     const int ok = qf && acc && scores && row && qb;
 #else
@@ -187,8 +196,8 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
       float *part = NULL, *lse = NULL;
       if (splits[b] > 1) {
         const int64_t pi = first_part[b] + local;
-        part = parts + pi * group * head_size;
-        lse = lses + pi * group;
+        part = parts + pi * item_heads * head_size;
+        lse = lses + pi * item_heads;
       }
       const int64_t* table = block_table + b * max_blocks;
 #define ATTEND(D)                                                                            \
@@ -201,8 +210,9 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
   attend_avx2(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, head_size,    \
               token_stride, block_size, scale, bf16, BF16, part, lse, qf, acc, scores)
 #define ATTEND_AMX(DV)                                                                       \
-  attend_amx(q, k_cache, v_cache, table, lo, hi, out, b, kh, num_heads, group, DV,            \
-             token_stride, block_size, scale, &kv, part, lse, qb, scores, acc)
+  attend_amx(q, k_cache, v_cache, table, lo, hi, out, b, kh, fuse ? num_kv_heads : 1,        \
+             num_heads, group, DV, token_stride, block_size, scale, &kv, part, lse, qb, scores, \
+             acc)
 #ifdef PAGEDLM_AMX
       if (use_amx) {
         switch (head_size) {
@@ -235,20 +245,20 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
     }
     // merge the splits of each (sequence, kv head): weights exp(lse_s - max lse)
 #pragma omp for schedule(dynamic)
-    for (int64_t bk = 0; bk < num_seqs * num_kv_heads; bk++) {
-      const int64_t b = bk / num_kv_heads, kh = bk % num_kv_heads;
+    for (int64_t bk = 0; bk < num_seqs * item_kv; bk++) {
+      const int64_t b = bk / item_kv, kh = bk % item_kv;
       if (!ok || splits[b] == 1) continue;
       const int64_t pi0 = first_part[b] + kh * splits[b];
-      for (int64_t g = 0; g < group; g++) {
+      for (int64_t g = 0; g < item_heads; g++) {
         float mx = -INFINITY, total = 0.f;
         for (int64_t sp = 0; sp < splits[b]; sp++) {
-          const float l = lses[(pi0 + sp) * group + g];
+          const float l = lses[(pi0 + sp) * item_heads + g];
           mx = l > mx ? l : mx;
         }
         memset(acc, 0, sizeof(float) * head_size);
         for (int64_t sp = 0; sp < splits[b]; sp++) {
-          const float w = expf(lses[(pi0 + sp) * group + g] - mx);
-          const float* p = parts + ((pi0 + sp) * group + g) * head_size;
+          const float w = expf(lses[(pi0 + sp) * item_heads + g] - mx);
+          const float* p = parts + ((pi0 + sp) * item_heads + g) * head_size;
           total += w;
 #pragma omp simd
           for (int64_t x = 0; x < head_size; x++) acc[x] += w * p[x];
@@ -256,7 +266,7 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
         const float inv = 1.f / total;
 #pragma omp simd
         for (int64_t x = 0; x < head_size; x++) acc[x] *= inv;
-        store_row(out, (b * num_heads + kh * group + g) * head_size, head_size, bf16, acc);
+        store_row(out, (b * num_heads + kh * item_heads + g) * head_size, head_size, bf16, acc);
       }
     }
 #ifdef PAGEDLM_AMX

@@ -254,24 +254,28 @@ static void amx_configure(void) { amx_configure_full_tiles(3); }
 
 #define AMX_KEYS_AHEAD 4  // runs of 16 keys prefetched ahead of the tile loads (-10% a step)
 
-// bf16 caches, group <= 16, head_size = 16 * DV with DV even, block_size % 16 == 0: the scores
-// come from AMX, 16 tokens (one aligned run of cache slots, read in place) by all heads at
-// once, with exact bf16 products and fp32 sums; the softmax and the values as in AVX-512.
+// bf16 caches, kv_count * group <= 16, head_size = 16 * DV with DV even, block_size % 16 ==
+// 0: kv heads kh .. kh + kv_count - 1 and their query heads (kv_count > 1: every head of the
+// sequence, a whole token row per token). The scores come from AMX, 16 tokens (one aligned run
+// of cache slots, read in place) by all the heads at once, with exact bf16 products and fp32
+// sums: each kv head's keys against its heads' queries (zero columns elsewhere) into one
+// tile. The softmax and the values as in AVX-512.
 static inline __attribute__((always_inline)) void attend_amx(
     const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
-    int64_t len, void* out, int64_t b, int64_t kh, int64_t num_heads, int64_t group, const int DV,
-    int64_t token_stride, int64_t block_size, float scale, const KV* kv, float* part, float* lse,
-    uint16_t* qb, float* scores, float* acc) {
-  const int64_t head_size = 16 * DV;
+    int64_t len, void* out, int64_t b, int64_t kh, int64_t kv_count, int64_t num_heads,
+    int64_t group, const int DV, int64_t token_stride, int64_t block_size, float scale,
+    const KV* kv, float* part, float* lse, uint16_t* qb, float* scores, float* acc) {
+  const int64_t head_size = 16 * DV, heads = kv_count * group;
   const int64_t first = start & ~(int64_t)15;  // scores[i] is position first + i
   const uint16_t* qh = (const uint16_t*)q + (b * num_heads + kh * group) * head_size;
-  for (int64_t c = 0; c < DV / 2; c++)  // qb[c][pair r][head g][2]
-    for (int64_t r = 0; r < 16; r++)
-      for (int64_t g = 0; g < 16; g++)
-        for (int64_t e = 0; e < 2; e++)
-          qb[((c * 16 + r) * 16 + g) * 2 + e] =
-              g < group ? qh[g * head_size + 32 * c + 2 * r + e] : 0;
-  const int64_t row_bytes = head_size * 2;
+  for (int64_t j = 0; j < kv_count; j++)  // qb[j][c][pair r][head column h][2]
+    for (int64_t c = 0; c < DV / 2; c++)
+      for (int64_t r = 0; r < 16; r++)
+        for (int64_t h = 0; h < 16; h++)
+          for (int64_t e = 0; e < 2; e++)
+            qb[(((j * DV / 2 + c) * 16 + r) * 16 + h) * 2 + e] =
+                h / group == j && h < heads ? qh[h * head_size + 32 * c + 2 * r + e] : 0;
+  const int64_t row_bytes = kv_count * head_size * 2;
   for (int64_t pos = first; pos < len; pos += 16) {
     const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
     const uint16_t* keys = (const uint16_t*)k_cache + slot * token_stride + kh * head_size;
@@ -291,11 +295,12 @@ static inline __attribute__((always_inline)) void attend_amx(
         _mm_prefetch(vals + r * token_stride * 2 + off, _MM_HINT_T1);
       }
     _tile_zero(0);
-    for (int64_t c = 0; c < DV / 2; c++) {
-      _tile_loadd(1, keys + 32 * c, token_stride * 2);
-      _tile_loadd(2, qb + c * 512, 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
+    for (int64_t j = 0; j < kv_count; j++)
+      for (int64_t c = 0; c < DV / 2; c++) {
+        _tile_loadd(1, keys + j * head_size + 32 * c, token_stride * 2);
+        _tile_loadd(2, qb + (j * DV / 2 + c) * 512, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
     _tile_stored(0, scores + (pos - first) * 16, 64);
   }
   // Softmax over positions start .. len - 1, all heads in one vector.
@@ -317,11 +322,12 @@ static inline __attribute__((always_inline)) void attend_amx(
     float mxs[16], sums[16];
     _mm512_storeu_ps(mxs, mx);
     _mm512_storeu_ps(sums, sum);
-    for (int64_t g = 0; g < group; g++) lse[g] = mxs[g] * scale + logf(sums[g]);
+    for (int64_t h = 0; h < heads; h++) lse[h] = mxs[h] * scale + logf(sums[h]);
   }
-  weighted_values(v_cache, table, start, n, kh, group, DV, token_stride, block_size, kv, valid, 16,
-                  1, NULL, acc, NULL);
-  for (int64_t g = 0; g < group; g++)
-    store_head(out, part, b, kh * group + g, g, num_heads, head_size, 1, acc + g * head_size);
+  for (int64_t j = 0; j < kv_count; j++)
+    weighted_values(v_cache, table, start, n, kh + j, group, DV, token_stride, block_size, kv,
+                    valid + j * group, 16, 1, NULL, acc + j * group * head_size, NULL);
+  for (int64_t h = 0; h < heads; h++)
+    store_head(out, part, b, kh * group + h, h, num_heads, head_size, 1, acc + h * head_size);
 }
 #endif
