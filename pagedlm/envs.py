@@ -39,6 +39,13 @@ _VARS = [
     EnvVar("PAGEDLM_DISABLE_C_KERNELS", False, _flag, "1: use the PyTorch paths only."),
     EnvVar("PAGEDLM_DISABLE_PREPACK", False, _flag, "1: keep linear weights dense (no oneDNN)."),
     EnvVar(
+        "PAGEDLM_DISABLE_AMX",
+        False,
+        _flag,
+        "1: the C kernels take their AVX-512 paths where AMX would run (as on CPUs without "
+        "AMX; for comparison and the tests of those paths). Read when the kernels load.",
+    ),
+    EnvVar(
         "PAGEDLM_GGUF_DEQUANTIZE",
         False,
         _flag,

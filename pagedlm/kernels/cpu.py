@@ -136,6 +136,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
 
     for name in _SIGNATURES:
         _bind(lib, name)
+    lib.set_amx_disabled(int(envs.PAGEDLM_DISABLE_AMX))
     _loaded.append(lib)
     return lib
 
@@ -312,6 +313,7 @@ def rotary_embedding(
     _ok("rotary_embedding", lib.rotary_embedding(*args))
 
 
+declare("set_amx_disabled", [_int])  # PAGEDLM_DISABLE_AMX, applied when the library loads
 declare("small_batch_linear_supported", [], _int)  # AMX compiled in and granted by the OS
 declare("gemv_bf16_avx512_compiled", [], _int)
 declare("gemv_bf16_avx2_compiled", [], _int)

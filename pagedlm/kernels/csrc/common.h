@@ -246,9 +246,14 @@ static inline void transpose16(__m512 r[16]) {
 #include <sys/syscall.h>
 #include <unistd.h>
 
+// Set by set_amx_disabled (kernels/cpu.py, from PAGEDLM_DISABLE_AMX): the AVX-512 paths then
+// run where AMX would, as on CPUs without it (their tests run that way on AMX machines too).
+extern int pagedlm_amx_disabled;
+
 // Linux grants AMX tile state to a process only on request (oneDNN makes the same request).
 static inline int amx_permitted(void) {
   static int state = -1;
+  if (pagedlm_amx_disabled) return 0;
   if (state < 0)
     state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                     18 /* XFEATURE_XTILEDATA */) == 0;

@@ -171,8 +171,10 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
     float* row = malloc(sizeof(float) * head_size);
 #ifdef PAGEDLM_AMX
     uint16_t* qb = malloc(sizeof(uint16_t) * 16 * head_size * (fuse ? num_kv_heads : 1));
+    char* amx_scratch =
+        use_amx ? aligned_alloc(64, amx_values_scratch_bytes(max_piece + 32)) : NULL;
     if (use_amx && qb != NULL) amx_configure();
-    const int ok = qf && acc && scores && row && qb;
+    const int ok = qf && acc && scores && row && qb && (amx_scratch || !use_amx);
 #else
     const int ok = qf && acc && scores && row;
 #endif
@@ -211,8 +213,8 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
               token_stride, block_size, scale, bf16, BF16, part, lse, qf, acc, scores)
 #define ATTEND_AMX(DV)                                                                       \
   attend_amx(q, k_cache, v_cache, table, lo, hi, out, b, kh, fuse ? num_kv_heads : 1,        \
-             num_heads, group, DV, token_stride, block_size, scale, &kv, part, lse, qb, scores, \
-             acc)
+             num_heads, group, DV, token_stride, block_size, scale, part, lse, qb, scores,      \
+             amx_scratch, acc)
 #ifdef PAGEDLM_AMX
       if (use_amx) {
         switch (head_size) {
@@ -272,6 +274,7 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
 #ifdef PAGEDLM_AMX
     if (use_amx && qb != NULL) _tile_release();
     free(qb);
+    free(amx_scratch);
 #endif
     free(qf);
     free(acc);

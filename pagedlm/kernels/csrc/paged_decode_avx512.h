@@ -249,8 +249,109 @@ static inline __attribute__((always_inline)) void attend_avx512(
 
 #ifdef PAGEDLM_AMX
 // Tiles: 0 = scores [16 tokens x 16 heads] fp32, 1 = keys [16 tokens x 32 dims] bf16,
-// 2 = queries [16 dim pairs x 16 heads x 2] bf16 (the VNNI layout AMX wants for B).
-static void amx_configure(void) { amx_configure_full_tiles(3); }
+// 2 = queries [16 dim pairs x 16 heads x 2] bf16 (the VNNI layout AMX wants for B); for the
+// weighted values 0-3 = sums [16 heads x 16 dims] fp32, 4 = probabilities [16 heads x 32
+// tokens] bf16, 5 = values [16 token pairs x 16 dims x 2] bf16.
+static void amx_configure(void) { amx_configure_full_tiles(6); }
+
+#define VALUE_CHUNKS 8  // chunks of 32 tokens whose value tiles are laid out at once
+
+// Per-thread scratch of attend_amx for a context of up to `tokens` keys: the token slots, the
+// probabilities as A tiles, VALUE_CHUNKS chunks' value B tiles.
+static inline int64_t amx_values_scratch_bytes(int64_t tokens) {
+  const int64_t chunks = (tokens + 31) / 32;
+  return chunks * 32 * 8 + chunks * 1024 + VALUE_CHUNKS * 4 * 1024;
+}
+
+// acc[h][0 .. head_size) = sum over the n tokens of p[t * 16 + h] * v[t] for the heads h <
+// kv_count * group (h / group: its kv head, kh on), on AMX: the probabilities rounded to bf16
+// (as flash attention weighs values), exact products, fp32 sums. Per 32 tokens they are one A
+// tile (P transposed); each kv head's value rows, interleaved by token pairs, are the B tiles
+// of 16 dimensions. Rows of heads of another kv head are computed and dropped.
+static inline __attribute__((always_inline)) void weighted_values_amx(
+    const void* v_cache, const int64_t* table, int64_t start, int64_t n, int64_t kh,
+    int64_t kv_count, int64_t group, const int DV, int64_t token_stride, int64_t block_size,
+    const float* p, char* scratch, float* acc) {
+  const int64_t head_size = 16 * DV, chunks = (n + 31) / 32;
+  int64_t* slots = (int64_t*)scratch;
+  uint16_t* pa = (uint16_t*)(scratch + chunks * 32 * 8);  // [chunk][16 heads][32 tokens]
+  uint16_t* vb = pa + chunks * 512;  // [VALUE_CHUNKS][4 tiles][16 pairs][16 dims][2]
+  for (int64_t t = 0; t < 32 * chunks; t++) {
+    const int64_t pos = start + t;  // past n: never read
+    slots[t] = t < n ? table[pos / block_size] * block_size + pos % block_size : -1;
+  }
+  for (int64_t c = 0; c < chunks; c++) {
+    __m512 lo[16], hi[16];
+    for (int i = 0; i < 16; i++) {
+      const int64_t t = 32 * c + i;
+      lo[i] = t < n ? _mm512_loadu_ps(p + t * 16) : _mm512_setzero_ps();
+      hi[i] = t + 16 < n ? _mm512_loadu_ps(p + (t + 16) * 16) : _mm512_setzero_ps();
+    }
+    transpose16(lo);
+    transpose16(hi);
+    for (int h = 0; h < 16; h++)
+      _mm512_storeu_si512(pa + c * 512 + h * 32, (__m512i)_mm512_cvtne2ps_pbh(hi[h], lo[h]));
+  }
+  __m512i pairs = _mm512_setzero_si512();  // (a[k], b[k]) for k < 16: a's k, then b's (32 + k)
+  uint16_t idx[32];
+  for (int k = 0; k < 16; k++) {
+    idx[2 * k] = (uint16_t)k;
+    idx[2 * k + 1] = (uint16_t)(32 + k);
+  }
+  pairs = _mm512_loadu_si512(idx);
+  const uint16_t* vc = (const uint16_t*)v_cache;
+  float sums[4][256] __attribute__((aligned(64)));
+  for (int64_t j = 0; j < kv_count; j++)
+    for (int64_t d0 = 0; d0 < head_size; d0 += 64) {  // four 16-dimension tiles at a time
+      const int tiles = head_size - d0 < 64 ? (int)((head_size - d0) / 16) : 4;
+      _tile_zero(0);  // tile numbers are immediates
+      if (tiles > 1) _tile_zero(1);
+      if (tiles > 2) _tile_zero(2);
+      if (tiles > 3) _tile_zero(3);
+      // a group of chunks' value tiles is written, then multiplied: tile loads of bytes just
+      // stored wait for the stores to retire, and this way they wait once per group
+      for (int64_t c0 = 0; c0 < chunks; c0 += VALUE_CHUNKS) {
+        const int64_t cn = chunks - c0 < VALUE_CHUNKS ? chunks - c0 : VALUE_CHUNKS;
+        for (int64_t c = 0; c < cn; c++)
+          for (int i = 0; i < 16; i++) {
+            const int64_t sa = slots[32 * (c0 + c) + 2 * i], sb = slots[32 * (c0 + c) + 2 * i + 1];
+            const uint16_t* ra = vc + sa * token_stride + (kh + j) * head_size + d0;
+            const uint16_t* rb = vc + sb * token_stride + (kh + j) * head_size + d0;
+            for (int q = 0; q < tiles; q++) {
+              const __m512i a = sa < 0 ? _mm512_setzero_si512()
+                                       : _mm512_castsi256_si512(_mm256_loadu_si256(
+                                             (const __m256i*)(ra + 16 * q)));
+              const __m512i b = sb < 0 ? _mm512_setzero_si512()
+                                       : _mm512_castsi256_si512(_mm256_loadu_si256(
+                                             (const __m256i*)(rb + 16 * q)));
+              _mm512_store_si512(vb + (c * 4 + q) * 512 + i * 32,
+                                 _mm512_permutex2var_epi16(a, pairs, b));
+            }
+          }
+        for (int64_t c = 0; c < cn; c++) {
+          _tile_loadd(4, pa + (c0 + c) * 512, 64);
+          for (int q = 0; q < tiles; q++) {
+            _tile_loadd(5, vb + (c * 4 + q) * 512, 64);
+            switch (q) {
+              case 0: _tile_dpbf16ps(0, 4, 5); break;
+              case 1: _tile_dpbf16ps(1, 4, 5); break;
+              case 2: _tile_dpbf16ps(2, 4, 5); break;
+              default: _tile_dpbf16ps(3, 4, 5);
+            }
+          }
+        }
+      }
+      _tile_stored(0, sums[0], 64);
+      if (tiles > 1) _tile_stored(1, sums[1], 64);
+      if (tiles > 2) _tile_stored(2, sums[2], 64);
+      if (tiles > 3) _tile_stored(3, sums[3], 64);
+      for (int64_t g = 0; g < group; g++) {
+        const int64_t h = j * group + g;
+        for (int q = 0; q < tiles; q++)
+          _mm512_storeu_ps(acc + h * head_size + d0 + 16 * q, _mm512_load_ps(sums[q] + h * 16));
+      }
+    }
+}
 
 #define AMX_KEYS_AHEAD 4  // runs of 16 keys prefetched ahead of the tile loads (-10% a step)
 
@@ -259,12 +360,12 @@ static void amx_configure(void) { amx_configure_full_tiles(3); }
 // sequence, a whole token row per token). The scores come from AMX, 16 tokens (one aligned run
 // of cache slots, read in place) by all the heads at once, with exact bf16 products and fp32
 // sums: each kv head's keys against its heads' queries (zero columns elsewhere) into one
-// tile. The softmax and the values as in AVX-512.
+// tile. The softmax in AVX-512, the weighted values on AMX (weighted_values_amx).
 static inline __attribute__((always_inline)) void attend_amx(
     const void* q, const void* k_cache, const void* v_cache, const int64_t* table, int64_t start,
     int64_t len, void* out, int64_t b, int64_t kh, int64_t kv_count, int64_t num_heads,
     int64_t group, const int DV, int64_t token_stride, int64_t block_size, float scale,
-    const KV* kv, float* part, float* lse, uint16_t* qb, float* scores, float* acc) {
+    float* part, float* lse, uint16_t* qb, float* scores, char* scratch, float* acc) {
   const int64_t head_size = 16 * DV, heads = kv_count * group;
   const int64_t first = start & ~(int64_t)15;  // scores[i] is position first + i
   const uint16_t* qh = (const uint16_t*)q + (b * num_heads + kh * group) * head_size;
@@ -324,9 +425,8 @@ static inline __attribute__((always_inline)) void attend_amx(
     _mm512_storeu_ps(sums, sum);
     for (int64_t h = 0; h < heads; h++) lse[h] = mxs[h] * scale + logf(sums[h]);
   }
-  for (int64_t j = 0; j < kv_count; j++)
-    weighted_values(v_cache, table, start, n, kh + j, group, DV, token_stride, block_size, kv,
-                    valid + j * group, 16, 1, NULL, acc + j * group * head_size, NULL);
+  weighted_values_amx(v_cache, table, start, n, kh, kv_count, group, DV, token_stride,
+                      block_size, valid, scratch, acc);
   for (int64_t h = 0; h < heads; h++)
     store_head(out, part, b, kh * group + h, h, num_heads, head_size, 1, acc + h * head_size);
 }

@@ -12,21 +12,22 @@
 // Memory: O(rows x head_size + KT x head_size) per thread; no mask and no gathered copy of the
 // context exists.
 //
-// Four inner paths share this structure: portable C (any head size), AVX-512 in fp32
+// Five inner paths share this structure: portable C (any head size), AVX-512 in fp32
 // (head_size % 16 == 0), AVX-512 BF16 dot products (bf16 queries, bf16 or fp8 cache,
-// head_size 64 / 128 / 256) and, without AVX-512, AVX2 in fp32 (head_size % 16 == 0); the
+// head_size 64 / 128 / 256), the same with AMX tile products for the scores and the weighted
+// values (blocks of 16 rows) and, without AVX-512, AVX2 in fp32 (head_size % 16 == 0); the
 // vector paths are specialized for the common head sizes.
 #include <stdlib.h>
 
 #include "common.h"
 #include "paged_prefill_avx2.h"
-#include "paged_prefill_bf16.h"  // includes paged_prefill_tiles.h
+#include "paged_prefill_amx.h"  // includes paged_prefill_bf16.h and paged_prefill_tiles.h
 
 #define ITEM_ROWS 512  // rows (query token x head of the group) per work item
 
 // ---------------------------------------------------------------- one work item
-// PATH 0: portable, 1: AVX-512 fp32, 2: AVX-512 BF16, 3: AVX2 fp32. DV = head_size / 16 for
-// paths 1 and 2, head_size / 8 for path 3.
+// PATH 0: portable, 1: AVX-512 fp32, 2: AVX-512 BF16, 3: AVX2 fp32, 4: AMX. DV = head_size /
+// 16 for paths 1, 2 and 4, head_size / 8 for path 3.
 static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scratch* s,
                                                               int64_t req, int64_t kh,
                                                               int64_t i0, int64_t i1,
@@ -38,20 +39,22 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
   const int64_t pos0 = seq_len - q_len;  // position of the chunk's first query
   const int64_t* table = a->block_table + req * a->max_blocks;
   const int64_t rows = (i1 - i0) * G;
-  const int64_t rows_pad = (rows + RB_ROWS - 1) / RB_ROWS * RB_ROWS;  // whole row blocks
+  const int64_t RB = PATH == 4 ? 16 : RB_ROWS;  // rows per block
+  const int64_t rows_pad = (rows + RB - 1) / RB * RB;  // whole row blocks
+  const int BF16 = PATH == 2 || PATH == 4;  // bf16 packing, queries and probabilities
   // The vector paths keep scores in base 2 (scale * log2(e) folded in, exp2 in the softmax).
   const float scale = PATH == 0 ? a->scale : a->scale * 1.4426950408889634f;
   // queries: prescaled fp32, or raw bf16 pairs (the BF16 softmax applies the scale)
   for (int64_t r = 0; r < rows_pad; r++) {
     if (r >= rows) {
-      if (PATH == 2)
+      if (BF16)
         memset(s->qb + r * (d / 2), 0, sizeof(uint32_t) * (d / 2));
       else
         memset(s->qf + r * d, 0, sizeof(float) * d);
       continue;
     }
     const int64_t off = (q_start + i0 + r / G) * a->q_stride + (kh * G + r % G) * d;
-    if (PATH == 2) {
+    if (BF16) {
       memcpy(s->qb + r * (d / 2), (const uint16_t*)a->q + off, sizeof(uint16_t) * d);
     } else {
       load_row(a->q, off, d, a->bf16, s->qf + r * d);
@@ -68,7 +71,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
     // keys of this tile rounded up to two vectors: the last tile skips its empty vectors
     const int kn = hi - t0 >= KT ? KT : (int)((hi - t0 + 31) & ~(int64_t)31);
 #ifdef PAGEDLM_PREFILL_BF16
-    if (PATH == 2) pack_bf16(a, table, kh, t0, hi, (uint32_t*)s->kt, (uint16_t*)s->vf, DV, kn);
+    if (BF16) pack_bf16(a, table, kh, t0, hi, (uint32_t*)s->kt, (uint16_t*)s->vf, DV, kn);
 #endif
 #ifdef PAGEDLM_AVX512
     if (PATH == 1) pack_f32_avx512(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
@@ -77,15 +80,18 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
     if (PATH == 3) pack_f32_avx2(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
 #endif
     if (PATH == 0) pack_f32(a, table, kh, t0, hi, s->kt, s->vf, s->acc + rows_pad * d);
-    // Row blocks: scores, softmax and P.V of RB_ROWS rows while their scores are in L1.
-    for (int64_t rb = 0; rb < rows_pad; rb += RB_ROWS) {
+    // Row blocks: scores, softmax and P.V of RB rows while their scores are in L1.
+    for (int64_t rb = 0; rb < rows_pad; rb += RB) {
       // keys of the tile the block's last row can see, rounded up to two vectors: on the
       // causal diagonal the vector paths stop there (the rest would be masked out)
-      const int64_t last = (rb + RB_ROWS < rows ? rb + RB_ROWS : rows) - 1;
+      const int64_t last = (rb + RB < rows ? rb + RB : rows) - 1;
       const int64_t seen = first_q + last / G - t0 + 1;
       const int kb = seen >= kn ? kn : seen <= 0 ? 32 : (int)((seen + 31) & ~(int64_t)31);
 #ifdef PAGEDLM_PREFILL_BF16
       if (PATH == 2) qk_bf16(s->qb + rb * (d / 2), (const uint32_t*)s->kt, s->p, RB_ROWS, DV, kb);
+#endif
+#ifdef PAGEDLM_PREFILL_AMX
+      if (PATH == 4) qk_amx(s->qb + rb * (d / 2), (const uint32_t*)s->kt, s->p, DV, kb);
 #endif
 #ifdef PAGEDLM_AVX512
       if (PATH == 1) qk_f32_avx512(s->qf + rb * d, s->kt, s->p, RB_ROWS, DV, kb);
@@ -94,7 +100,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
       if (PATH == 3) qk_f32_avx2(s->qf + rb * d, s->kt, s->p, DV, kb);
 #endif
       if (PATH == 0) qk_f32(s->qf + rb * d, s->kt, s->p, RB_ROWS, d);
-      for (int64_t r = rb; r < rb + RB_ROWS; r++) {
+      for (int64_t r = rb; r < rb + RB; r++) {
         int64_t jlo = 0, jhi = -1;  // padded rows see nothing
         if (r < rows) {
           const int64_t qpos = first_q + r / G;
@@ -104,7 +110,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
         }
         float* pr = s->p + (r - rb) * KT;
 #ifdef PAGEDLM_PREFILL_BF16
-        if (PATH == 2) {
+        if (BF16) {
           uint16_t* pbr = (uint16_t*)(s->pb + (r - rb) * (KT / 2));
           softmax_row_bf16(s, pr, pbr, r, jlo, jhi, kb, scale);
           continue;
@@ -126,6 +132,9 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
       }
 #ifdef PAGEDLM_PREFILL_BF16
       if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rb, DV, kb);
+#endif
+#ifdef PAGEDLM_PREFILL_AMX
+      if (PATH == 4) pv_amx(s, (const uint16_t*)s->vf, rb, DV, kb);
 #endif
 #ifdef PAGEDLM_AVX512
       if (PATH == 1) pv_f32_avx512(s, s->vf, rb, DV, kb);
@@ -150,11 +159,18 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
 static void attend_item(const Args* a, Scratch* s, int path, int64_t req, int64_t kh, int64_t i0,
                         int64_t i1) {
 #define TILE(P, DV) attend_tile(a, s, req, kh, i0, i1, P, DV)
+#ifdef PAGEDLM_PREFILL_AMX
+  if (path == 4) {
+    if (a->head_size == 64) TILE(4, 4);
+    else if (a->head_size == 128) TILE(4, 8);
+    else TILE(4, 16);
+    return;
+  }
+#endif
 #ifdef PAGEDLM_PREFILL_BF16
-  const int64_t d = a->head_size;
   if (path == 2) {
-    if (d == 64) TILE(2, 4);
-    else if (d == 128) TILE(2, 8);
+    if (a->head_size == 64) TILE(2, 4);
+    else if (a->head_size == 128) TILE(2, 8);
     else TILE(2, 16);
     return;
   }
@@ -212,6 +228,9 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
   if (bf16 && kind != KV_F32 && (head_size == 64 || head_size == 128 || head_size == 256))
     path = 2;
 #endif
+#ifdef PAGEDLM_PREFILL_AMX
+  if (path == 2 && amx_permitted()) path = 4;
+#endif
   // Query tokens per item: about ITEM_ROWS rows (each key tile's packing serves them all),
   // fewer while there are too few items for the threads.
   int64_t tile = ITEM_ROWS / group > 1 ? ITEM_ROWS / group : 1;
@@ -233,7 +252,7 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     const int64_t n = query_start_loc[r + 1] - query_start_loc[r];
     first_item[r + 1] = first_item[r] + (n + tile - 1) / tile * num_kv_heads;
   }
-  const int64_t rows_cap = (tile * group + RB_ROWS - 1) / RB_ROWS * RB_ROWS;
+  const int64_t rows_cap = (tile * group + 15) / 16 * 16;  // whole blocks of 8 or 16 rows
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -245,13 +264,16 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     s.m = malloc(sizeof(float) * rows_cap);
     s.l = malloc(sizeof(float) * rows_cap * 16);
     s.alpha = malloc(sizeof(float) * rows_cap);
-    s.p = malloc(sizeof(float) * RB_ROWS * KT);
-    s.pb = malloc(sizeof(uint32_t) * RB_ROWS * KT / 2);
+    s.p = malloc(sizeof(float) * 16 * KT);  // a block of RB_ROWS or 16 (AMX) rows
+    s.pb = malloc(sizeof(uint32_t) * 16 * KT / 2);
     s.kt = malloc(sizeof(float) * d * KT);
     s.vf = malloc(sizeof(float) * d * KT);
     s.qf = malloc(sizeof(float) * rows_cap * d);
     s.qb = malloc(sizeof(uint32_t) * rows_cap * d / 2 + 4);
     const int ok = s.acc && s.m && s.l && s.alpha && s.p && s.pb && s.kt && s.vf && s.qf && s.qb;
+#ifdef PAGEDLM_PREFILL_AMX
+    if (path == 4) prefill_amx_configure();
+#endif
     if (!ok) {
 #pragma omp atomic write
       failed = 1;
@@ -272,6 +294,9 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
       const int64_t i0 = t * tile, i1 = i0 + tile < n ? i0 + tile : n;
       attend_item(&a, &s, path, req, kh, i0, i1);
     }
+#ifdef PAGEDLM_PREFILL_AMX
+    if (path == 4) _tile_release();
+#endif
     free(s.acc);
     free(s.m);
     free(s.l);

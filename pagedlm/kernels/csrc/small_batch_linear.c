@@ -107,6 +107,10 @@ int small_batch_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bia
 #endif
 }
 
+int pagedlm_amx_disabled = 0;
+
+void set_amx_disabled(int disabled) { pagedlm_amx_disabled = disabled; }
+
 int small_batch_linear_supported(void) {
 #ifdef PAGEDLM_AMX
   return amx_permitted();
