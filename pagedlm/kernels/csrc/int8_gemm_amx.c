@@ -15,6 +15,8 @@
 //    group of the block runs against them: per activation block four int32 C tiles
 //    accumulate its QB values (exact) and are stored, then acc[m][n] += as[m][b] * (C -
 //    corr[m][b]) in fp32, one pass over acc per chunk. Then y = ws[n] * acc (+ bias[n]).
+//    Where the pair's whole weight fits L1 (K <= 1024), row groups go outer instead, so each
+//    group's sums stay in L1 (qkv of the 0.5B at 512 rows: 2.0 -> 2.4 TOPS).
 //
 // On 2 Sapphire Rapids cores the tile products do not overlap the AVX-512 work, so the time is
 // the TDPs plus the per-block fp32 accumulation: grouping blocks, keeping the chunk's weights
@@ -29,6 +31,7 @@
 #define BLOCK_BYTES (5 << 18)   // quantized activation rows per block, L2-resident (of 2 MiB)
 #define CHUNK 2                 // activation blocks per pass over acc (and per L1 weight chunk)
 #define PREFETCH_BYTES 2048     // weight bytes prefetched ahead of the first row group's loads
+#define PAIR_L1_BYTES (32 << 10)  // a pair's weights this small stay in L1 over all of K
 
 #if defined(PAGEDLM_AMX) && defined(__AMX_INT8__)
 #define PAGEDLM_AMX_INT8 1
@@ -161,13 +164,25 @@ static inline __attribute__((always_inline)) void pair_product(
   const int64_t nb = K / QB;
   const uint8_t* b0 = qs + t0 * (K / 4) * 64;
   const uint8_t* b1 = b0 + (K / 4) * 64;
-  for (int64_t b = 0; b < nb; b += CHUNK) {
-    const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
-    for (int64_t m0 = mb; m0 < mend; m0 += 32) {
-      for (int64_t g = 0; g < nc; g++)
-        block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, m0 == mb,
-                      NT);
-      accumulate(c, nc, as, corr, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, NT);
+  if (32 * K <= PAIR_L1_BYTES) {  // the pair's whole weight stays in L1: rows outer, and
+    // each group's sums stay in L1 too
+    for (int64_t m0 = mb; m0 < mend; m0 += 32)
+      for (int64_t b = 0; b < nb; b += CHUNK) {
+        const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
+        for (int64_t g = 0; g < nc; g++)
+          block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, m0 == mb,
+                        NT);
+        accumulate(c, nc, as, corr, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, NT);
+      }
+  } else {
+    for (int64_t b = 0; b < nb; b += CHUNK) {
+      const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
+      for (int64_t m0 = mb; m0 < mend; m0 += 32) {
+        for (int64_t g = 0; g < nc; g++)
+          block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, m0 == mb,
+                        NT);
+        accumulate(c, nc, as, corr, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, NT);
+      }
     }
   }
   for (int64_t m0 = mb; m0 < mend; m0 += 32) {
