@@ -10,7 +10,8 @@ benchmarks/results/ have the same shape plus a `"source"` entry (date, build, CP
 a backend that failed (`"error"`) is left out. Writes `throughput.png` (total tokens/s per
 workload and backend, one panel per workload, each with its own scale) and `latency.png` (per
 latency file, time to first token and decode tokens/s per backend) and `scaling.png` (per
-model size, `random` total tokens/s and batch-1 decode tokens/s) into `--out` (docs/).
+model size, `random` and `long` total tokens/s and batch-1 decode tokens/s) into `--out`
+(docs/).
 """
 
 from __future__ import annotations
@@ -167,9 +168,11 @@ def plot_scaling(data: dict, out: Path) -> None:
     """Grouped bars: one group per model size, one bar per backend, one panel per workload."""
     sizes = list(data["sizes"])
     panels = [("random", "total_tok_s", "random, 32 x 256/128: total tokens/s"),
+              ("long", "total_tok_s", "long, 8 x 4096/64: total tokens/s"),
               ("batch1", "decode_tok_s", "batch 1: decode tokens/s")]  # fmt: skip
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-    for ax, (workload, metric, title) in zip(axes, panels, strict=True):
+    panels = [p for p in panels if all(p[0] in data["sizes"][size] for size in sizes)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4), squeeze=False)
+    for ax, (workload, metric, title) in zip(axes[0], panels, strict=True):
         runs = [data["sizes"][size][workload] for size in sizes]
         backends = ordered({b: r for run in runs for b, r in run.items() if metric in r})
         width = 0.8 / len(backends)
@@ -185,7 +188,7 @@ def plot_scaling(data: dict, out: Path) -> None:
         ax.set_xticks(range(len(sizes)), [f"Qwen2.5-{s.upper()} shapes" for s in sizes])
         ax.set_title(title + " (labels: x vLLM-CPU bf16)", fontsize=10)
         ax.spines[["top", "right"]].set_visible(False)
-    axes[0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
     fig.suptitle(f"By model size\n{data['source'].get('cpu', '')}, greedy, ignore_eos", fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

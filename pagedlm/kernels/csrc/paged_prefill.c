@@ -25,6 +25,16 @@
 
 #define ITEM_ROWS 512  // rows (query token x head of the group) per work item
 
+// Keys of the tile (from t0, kn of them) that the last row of the block rb .. rb + RB - 1 can
+// see, rounded up to two vectors: on the causal diagonal the vector paths stop there (the
+// rest would be masked out).
+static inline int block_keys(int64_t first_q, int64_t rows, int64_t G, int64_t t0, int kn,
+                             int64_t rb, int64_t RB) {
+  const int64_t last = (rb + RB < rows ? rb + RB : rows) - 1;
+  const int64_t seen = first_q + last / G - t0 + 1;
+  return seen >= kn ? kn : seen <= 0 ? 32 : (int)((seen + 31) & ~(int64_t)31);
+}
+
 // ---------------------------------------------------------------- one work item
 // PATH 0: portable, 1: AVX-512 fp32, 2: AVX-512 BF16, 3: AVX2 fp32, 4: AMX. DV = head_size /
 // 16 for paths 1, 2 and 4, head_size / 8 for path 3.
@@ -82,16 +92,12 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
     if (PATH == 0) pack_f32(a, table, kh, t0, hi, s->kt, s->vf, s->acc + rows_pad * d);
     // Row blocks: scores, softmax and P.V of RB rows while their scores are in L1.
     for (int64_t rb = 0; rb < rows_pad; rb += RB) {
-      // keys of the tile the block's last row can see, rounded up to two vectors: on the
-      // causal diagonal the vector paths stop there (the rest would be masked out)
-      const int64_t last = (rb + RB < rows ? rb + RB : rows) - 1;
-      const int64_t seen = first_q + last / G - t0 + 1;
-      const int kb = seen >= kn ? kn : seen <= 0 ? 32 : (int)((seen + 31) & ~(int64_t)31);
+      const int kb = block_keys(first_q, rows, G, t0, kn, rb, RB);
 #ifdef PAGEDLM_PREFILL_BF16
       if (PATH == 2) qk_bf16(s->qb + rb * (d / 2), (const uint32_t*)s->kt, s->p, RB_ROWS, DV, kb);
 #endif
 #ifdef PAGEDLM_PREFILL_AMX
-      if (PATH == 4) qk_amx(s->qb + rb * (d / 2), (const uint32_t*)s->kt, s->p, DV, kb);
+      if (PATH == 4 && rb == 0) qk_amx(s->qb, (const uint32_t*)s->kt, s->p, DV, kb);
 #endif
 #ifdef PAGEDLM_AVX512
       if (PATH == 1) qk_f32_avx512(s->qf + rb * d, s->kt, s->p, RB_ROWS, DV, kb);
@@ -134,7 +140,15 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
       if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rb, DV, kb);
 #endif
 #ifdef PAGEDLM_PREFILL_AMX
-      if (PATH == 4) pv_amx(s, (const uint16_t*)s->vf, rb, DV, kb);
+      if (PATH == 4) {
+        // the next block's scores first (this block's softmax is done with p): the tile
+        // products run while the probabilities' stores drain, which pv_amx's tile loads of
+        // them wait for
+        if (rb + RB < rows_pad)
+          qk_amx(s->qb + (rb + RB) * (d / 2), (const uint32_t*)s->kt, s->p, DV,
+                 block_keys(first_q, rows, G, t0, kn, rb + RB, RB));
+        pv_amx(s, (const uint16_t*)s->vf, rb, DV, kb);
+      }
 #endif
 #ifdef PAGEDLM_AVX512
       if (PATH == 1) pv_f32_avx512(s, s->vf, rb, DV, kb);
