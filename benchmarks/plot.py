@@ -166,7 +166,7 @@ def plot_latency(runs: list[tuple[dict, dict]], out: Path) -> None:
 
 def plot_scaling(data: dict, out: Path) -> None:
     """Grouped bars: one group per model size, one bar per backend, one panel per workload."""
-    sizes = list(data["sizes"])
+    sizes = sorted(data["sizes"], key=lambda size: float(size.rstrip("b")))
     panels = [("random", "total_tok_s", "random, 32 x 256/128: total tokens/s"),
               ("long", "total_tok_s", "long, 8 x 4096/64: total tokens/s"),
               ("batch1", "decode_tok_s", "batch 1: decode tokens/s")]  # fmt: skip

@@ -56,7 +56,7 @@ def print_tables(table: dict) -> None:
         if not any(workload in cols for cols in table.values()):
             continue
         print(f"\n{workload}: {unit} (peak RSS MB) and ratio to vllm bf16")
-        sizes = list(table)
+        sizes = sorted(table, key=lambda size: float(size.rstrip("b")))
         print(f"{'backend':<14}" + "".join(f"{s:>26}" for s in sizes))
         backends = {b for s in sizes for b in table[s].get(workload, {})}
         for b in sorted(backends):
@@ -81,8 +81,19 @@ def main() -> None:
     parser.add_argument("--llamacpp-python", default=None)
     parser.add_argument("--models-dir", default=str(cache_dir() / "shaped"))
     parser.add_argument("--json", default=str(HERE / "results" / "scaling.json"))
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the sizes and workloads of the existing --json file that this run does not "
+        "measure; its 'runs' list names every run merged into it",
+    )
     args = parser.parse_args()
     table: dict[str, dict] = {}
+    runs: list[dict] = []
+    if args.merge and Path(args.json).is_file():
+        previous = json.loads(Path(args.json).read_text())
+        table = previous["sizes"]
+        runs = previous.get("runs", [previous["source"]])
     for size in args.sizes.split(","):
         if size not in SHAPES:
             raise SystemExit(f"--sizes: {size!r} is not one of {', '.join(SHAPES)}")
@@ -103,7 +114,7 @@ def main() -> None:
             "batch1": ("latency.py", "--input-len", "128", "--output-len", "32",
                        "--repeats", "1"),
         }  # fmt: skip
-        table[size] = {}
+        table.setdefault(size, {})
         for workload in args.workloads.split(","):
             if workload not in commands:
                 raise SystemExit(f"--workloads: {workload!r} is not one of {', '.join(commands)}")
@@ -116,7 +127,10 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "benchmarks/scaling.py " + " ".join(sys.argv[1:]),
         }
-        Path(args.json).write_text(json.dumps({"source": source, "sizes": table}, indent=1))
+        document = {"source": source, "sizes": table}
+        if args.merge:
+            document["runs"] = [*runs, source]
+        Path(args.json).write_text(json.dumps(document, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -28,9 +30,10 @@ class LinearMethodBase:
         raise NotImplementedError
 
 
-def create_dense_weight(layer: nn.Module) -> None:
-    """`layer.weight`: an [output_size, input_size] parameter loaded by `layer.weight_loader`."""
-    weight = torch.empty(layer.output_size, layer.input_size, dtype=layer.params_dtype)
+def create_dense_weight(layer: nn.Module, allocate: Callable = torch.empty) -> None:
+    """`layer.weight`: an [output_size, input_size] parameter loaded by `layer.weight_loader`,
+    allocated by `allocate(shape, dtype)`."""
+    weight = allocate((layer.output_size, layer.input_size), dtype=layer.params_dtype)
     layer.weight = nn.Parameter(weight, requires_grad=False)
     layer.weight.weight_loader = layer.weight_loader
 
