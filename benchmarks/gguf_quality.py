@@ -1,5 +1,5 @@
 """Quantized paths against the bf16 path on the same weights: greedy agreement over 10
-prompts, perplexity on a fixed text, peak RSS.
+prompts, perplexity on eight files of this repository, peak RSS.
 
     .venv/bin/python benchmarks/gguf_quality.py [--model qwen2.5-coder-0.5b-instruct] \
         [--modes gguf,fp32,int8,w8a8]
@@ -44,10 +44,24 @@ PROMPTS = [
 MAX_TOKENS = 48
 
 
-def fixed_text() -> str:
-    """The text perplexity is measured on: this repository's sampling_params.py (code, as the
-    default model is a code model), first 6000 characters."""
-    return (ROOT / "pagedlm" / "sampling_params.py").read_text()[:6000]
+# The texts perplexity is measured on: this repository's code (the default model is a code
+# model), the first 6000 characters of each file, ~10.9k tokens in all. One file alone (~1.6k
+# tokens) moved an int8 path's excess by 0.6 points under a change of rounding elsewhere; over
+# these eight its excess per file ranged -0.1 .. +0.7% in one run.
+PERPLEXITY_FILES = [
+    "pagedlm/sampling_params.py",
+    "pagedlm/outputs.py",
+    "pagedlm/utils.py",
+    "pagedlm/config.py",
+    "pagedlm/inputs.py",
+    "pagedlm/metrics.py",
+    "pagedlm/beam_search.py",
+    "benchmarks/throughput.py",
+]
+
+
+def fixed_texts() -> list[str]:
+    return [(ROOT / name).read_text()[:6000] for name in PERPLEXITY_FILES]
 
 
 def worker(model: str, mode: str, out: str, reference: str | None) -> None:
@@ -69,11 +83,12 @@ def worker(model: str, mode: str, out: str, reference: str | None) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs = llm.generate(chats, greedy, use_tqdm=False)
     generate_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    ids = tok(fixed_text())["input_ids"]
-    scored = llm.generate(
-        {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
-    )[0]
-    lps = [d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], ids[1:], strict=True)]
+    texts = [{"prompt_token_ids": tok(text)["input_ids"]} for text in fixed_texts()]
+    scored = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    lps = [  # per file: the log-probability of each token after the first
+        [d[t].logprob for d, t in zip(sc.prompt_logprobs[1:], sc.prompt_token_ids[1:], strict=True)]
+        for sc in scored
+    ]
     forced = None
     if reference is not None:  # top-1 agreement with the reference path's completions
         ref = json.loads(Path(reference).read_text())["tokens"]
@@ -93,8 +108,10 @@ def worker(model: str, mode: str, out: str, reference: str | None) -> None:
         "load_s": load_s,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "texts": [o.outputs[0].text for o in outs],
-        "ppl": math.exp(-sum(lps) / len(lps)),
-        "ppl_tokens": len(lps),
+        "nll_per_file": [-sum(f) for f in lps],
+        "ppl": math.exp(sum(-sum(f) for f in lps) / sum(map(len, lps))),
+        "ppl_tokens": sum(map(len, lps)),
+        "tokens_per_file": list(map(len, lps)),
         "peak_rss_mb_generate": generate_rss,  # load + 10 greedy requests
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # + ppl
     }
@@ -155,9 +172,16 @@ def main() -> None:
             f"on {all_agree}/{len(PROMPTS)} prompts"
         )
         rel = (q["ppl"] - b["ppl"]) / b["ppl"]
+        per_file = [  # each file's perplexity ratio: exp of its nll difference per token
+            math.exp((x - y) / n) - 1
+            for x, y, n in zip(
+                q["nll_per_file"], b["nll_per_file"], q["tokens_per_file"], strict=True
+            )
+        ]
         print(
-            f"  perplexity ({q['ppl_tokens']} tokens): {mode} {q['ppl']:.4f}, bf16 "
-            f"{b['ppl']:.4f} ({rel:+.2%})"
+            f"  perplexity ({q['ppl_tokens']} tokens, {len(PERPLEXITY_FILES)} files): {mode} "
+            f"{q['ppl']:.4f}, bf16 {b['ppl']:.4f} ({rel:+.2%}); per file "
+            + " ".join(f"{r:+.2%}" for r in per_file)
         )
     for mode, q in results.items():
         print(

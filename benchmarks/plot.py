@@ -43,8 +43,9 @@ BACKENDS: dict[str, tuple[str, str]] = {
 WORKLOADS = ["random", "mixed", "shared-prefix", "long", "long-single"]
 
 
-def label(backend: str) -> str:
-    return BACKENDS.get(backend, (backend, ""))[0]
+def label(backend: str, gguf_type: str = "Q4_K_M") -> str:
+    """The legend entry; the GGUF rows name the file's type (the packaged model's by default)."""
+    return BACKENDS.get(backend, (backend, ""))[0].replace("Q4_K_M", gguf_type)
 
 
 def colour(backend: str) -> str:
@@ -179,7 +180,7 @@ def plot_scaling(data: dict, out: Path) -> None:
         for i, backend in enumerate(backends):
             xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(sizes))]
             values = [run.get(backend, {}).get(metric, 0) for run in runs]
-            ax.bar(xs, values, width, color=colour(backend), label=label(backend))
+            ax.bar(xs, values, width, color=colour(backend), label=label(backend, "Q8_0"))
             for x, run, value in zip(xs, runs, values, strict=True):
                 base = run.get("vllm", {}).get(metric)
                 if value and base and backend != "vllm":
