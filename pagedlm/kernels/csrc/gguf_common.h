@@ -128,6 +128,16 @@ static inline void unpack_tile_portable(const QWeight* w, int64_t t, uint8_t* re
   }
 }
 
+#ifdef PAGEDLM_AVX512
+// max |x[at .. at + QB)| (bf16 or fp32; QB a multiple of 16): an activation block's scale * 127.
+static inline float block_amax(const void* x, int64_t at, int64_t QB, int bf16) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t i = 0; i < QB; i += 16)
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, at + i, bf16)));
+  return _mm512_reduce_max_ps(mx);
+}
+#endif
+
 // x row (bf16 or fp32) -> int8 per QB-value block (QB = 32, or 256 for the GEMM's K-quants);
 // d[b] = amax / 127, q = x * (127 / amax) rounded half to even (the AVX-512 path's conversion
 // uses the default rounding mode, the same); sums16 (NULL to skip): each 16 quants' sum.
@@ -138,10 +148,7 @@ static inline void quantize_row(const void* x, int64_t m, int64_t K, int bf16, i
   (void)buf;
   for (int64_t b = 0; b < K / QB; b++) {
     const int64_t at = m * K + QB * b;
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t i = 0; i < QB; i += 16)
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, at + i, bf16)));
-    const float amax = _mm512_reduce_max_ps(mx);
+    const float amax = block_amax(x, at, QB, bf16);
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     d[b] = amax / 127.f;
     for (int64_t i = 0; i < QB; i += 16) {

@@ -47,11 +47,7 @@ static void quantize_packed(const void* x, int64_t m, int64_t mb, int64_t K, int
                             int bf16, int8_t* aq, float* as, int32_t* corr) {
   const int64_t nb = K / QB, i0 = m - mb;
   for (int64_t b = 0; b < nb; b++) {
-    const int64_t at = m * K + QB * b;
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t i = 0; i < QB; i += 16)
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x, at + i, bf16)));
-    const float amax = _mm512_reduce_max_ps(mx);
+    const float amax = block_amax(x, m * K + QB * b, QB, bf16);
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m512i sum = _mm512_setzero_si512();
     for (int64_t k = QB * b; k < QB * (b + 1); k += 64) {  // one A-tile row of 64 quants

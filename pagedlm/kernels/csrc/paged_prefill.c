@@ -173,21 +173,19 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
 static void attend_item(const Args* a, Scratch* s, int path, int64_t req, int64_t kh, int64_t i0,
                         int64_t i1) {
 #define TILE(P, DV) attend_tile(a, s, req, kh, i0, i1, P, DV)
+// the bf16 paths take head sizes 64, 128 and 256 (DV: 16-value vectors a row)
+#define TILE_BF16(P)                                 \
+  do {                                               \
+    if (a->head_size == 64) TILE(P, 4);              \
+    else if (a->head_size == 128) TILE(P, 8);        \
+    else TILE(P, 16);                                \
+    return;                                          \
+  } while (0)
 #ifdef PAGEDLM_PREFILL_AMX
-  if (path == 4) {
-    if (a->head_size == 64) TILE(4, 4);
-    else if (a->head_size == 128) TILE(4, 8);
-    else TILE(4, 16);
-    return;
-  }
+  if (path == 4) TILE_BF16(4);
 #endif
 #ifdef PAGEDLM_PREFILL_BF16
-  if (path == 2) {
-    if (a->head_size == 64) TILE(2, 4);
-    else if (a->head_size == 128) TILE(2, 8);
-    else TILE(2, 16);
-    return;
-  }
+  if (path == 2) TILE_BF16(2);
 #endif
 #ifdef PAGEDLM_AVX512
   if (path == 1) {
@@ -212,6 +210,7 @@ static void attend_item(const Args* a, Scratch* s, int path, int64_t req, int64_
   }
 #endif
   TILE(0, 0);
+#undef TILE_BF16
 #undef TILE
 }
 
