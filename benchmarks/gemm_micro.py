@@ -2,7 +2,10 @@
 quantization="int8" (AMX-INT8 where it runs, else the VNNI or AVX2 kernels) against oneDNN
 bf16 on its prepacked weight (what pagedlm's bf16 path and vLLM-CPU call), with cold weights:
 `--copies` distinct weights are cycled, as a forward pass streams every layer's from memory.
-Short; machine noise applies.
+Short; machine noise applies. Runs with tcmalloc preloaded where the system has it, as the
+benchmarks run the engines: under glibc's malloc each call's large output is mapped afresh,
+and on this VM first touches cost more than the product (9728 x 896 at 2048 rows: 26 ms
+against 11-14 under tcmalloc).
 
     python benchmarks/gemm_micro.py [--shape 17920x1536] [--rows 32 512 4096] [--copies 10]
 
@@ -12,13 +15,19 @@ Prints T(FL)OP/s (2 M N K per call) and milliseconds per call for each row count
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from pagedlm.kernels.gguf_pack import pack_q8
 from pagedlm.layers.quantization.gguf import gguf_linear
 from pagedlm.layers.quantization.int8 import quantize_per_channel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import find_tcmalloc  # noqa: E402
 
 
 def main() -> None:
@@ -28,6 +37,12 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    tcmalloc = find_tcmalloc()
+    if tcmalloc and tcmalloc not in os.environ.get("LD_PRELOAD", ""):
+        env = dict(
+            os.environ, LD_PRELOAD=":".join(filter(None, [tcmalloc, os.environ.get("LD_PRELOAD")]))
+        )
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     n, k = (int(v) for v in args.shape.split("x"))
     torch.manual_seed(0)
     weights = []
@@ -41,7 +56,10 @@ def main() -> None:
             x, w[1], None, "none", [], ""
         ),
     }
-    print(f"N={n} K={k}, {args.copies} weights cycled, {torch.get_num_threads()} threads")
+    allocator = "tcmalloc" if tcmalloc else "glibc malloc"
+    print(
+        f"N={n} K={k}, {args.copies} weights cycled, {torch.get_num_threads()} threads, {allocator}"
+    )
     for m in args.rows:
         x = torch.randn(m, k).bfloat16()
         for name, fn in kernels.items():
