@@ -96,3 +96,44 @@ def test_vl_shape_is_qwen2_5_vl_3b() -> None:
     assert {name.split(".")[0] for name, _, _ in specs} == {"model", "visual"}
     assert (config.image_token_id, config.vision_start_token_id) == (151655, 151652)
     assert config.text_config.rope_parameters["mrope_section"] == [16, 24, 24]
+
+
+def test_scaling_merge_keeps_what_a_run_does_not_measure(tmp_path, monkeypatch, capsys) -> None:
+    """`scaling.py --merge` replaces only the sizes and workloads it runs, lists every run,
+    and its tables put sizes in size order whatever order the file holds them in."""
+    import json
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        scaling = importlib.import_module("scaling")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    for size in ("0.5b", "3b"):
+        (tmp_path / f"qwen2.5-{size}").mkdir()
+        (tmp_path / f"qwen2.5-{size}" / "config.json").write_text("{}")
+    out = tmp_path / "scaling.json"
+    calls = []
+
+    def fake_run(script, model, path, args, *extra):
+        calls.append((Path(model).name, script))
+        return {"vllm": {"total_tok_s": 100.0 + len(calls), "peak_rss_mb": 1.0}}
+
+    monkeypatch.setattr(scaling, "run", fake_run)
+
+    def main(*argv: str) -> dict:
+        base = ["scaling.py", "--backends", "pagedlm,vllm", "--models-dir", str(tmp_path)]
+        monkeypatch.setattr(sys, "argv", [*base, "--json", str(out), *argv])
+        scaling.main()
+        return json.loads(out.read_text())
+
+    main("--sizes", "3b", "--workloads", "random,long")
+    capsys.readouterr()
+    merged = main("--sizes", "3b,0.5b", "--workloads", "random", "--merge")
+    header = [line for line in capsys.readouterr().out.splitlines() if line.startswith("backend")]
+    assert header[-1].split()[1:] == ["0.5b", "3b"]
+    assert merged["sizes"]["3b"]["long"]["vllm"]["total_tok_s"] == 102.0  # kept
+    assert merged["sizes"]["3b"]["random"]["vllm"]["total_tok_s"] == 103.0  # replaced
+    assert set(merged["sizes"]["0.5b"]) == {"random"}
+    assert [r["command"].count("--merge") for r in merged["runs"]] == [0, 1]
+    replaced = main("--sizes", "0.5b", "--workloads", "random")  # no --merge: only this run
+    assert set(replaced["sizes"]) == {"0.5b"} and "runs" not in replaced
