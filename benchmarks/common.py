@@ -132,6 +132,11 @@ def find_tcmalloc() -> str | None:
     return None
 
 
+def with_preloaded(env: dict[str, str], library: str) -> dict[str, str]:
+    """`env` with `library` first in LD_PRELOAD (what it held before kept after it)."""
+    return {**env, "LD_PRELOAD": ":".join(filter(None, [library, env.get("LD_PRELOAD")]))}
+
+
 # Backends that run in a peer's own virtual environment, and the argument naming its Python.
 PEER_PYTHON_ARGS = {"vllm": "vllm_python", "llamacpp": "llamacpp_python"}
 
@@ -171,7 +176,7 @@ def run_backend(
             raise SystemExit(
                 "--allocator tcmalloc: no libtcmalloc (apt install libtcmalloc-minimal4)"
             )
-        env["LD_PRELOAD"] = ":".join(filter(None, [tcmalloc, env.get("LD_PRELOAD")]))
+        env = with_preloaded(env, tcmalloc)
     if peer == "vllm" and not args.vllm_default_binding:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     proc = subprocess.run(

@@ -27,7 +27,7 @@ from pagedlm.layers.quantization.gguf import gguf_linear
 from pagedlm.layers.quantization.int8 import quantize_per_channel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import find_tcmalloc  # noqa: E402
+from common import find_tcmalloc, with_preloaded  # noqa: E402
 
 
 def main() -> None:
@@ -39,10 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     tcmalloc = find_tcmalloc()
     if tcmalloc and tcmalloc not in os.environ.get("LD_PRELOAD", ""):
-        env = dict(
-            os.environ, LD_PRELOAD=":".join(filter(None, [tcmalloc, os.environ.get("LD_PRELOAD")]))
-        )
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        os.execve(sys.executable, [sys.executable, *sys.argv], with_preloaded(os.environ, tcmalloc))
     n, k = (int(v) for v in args.shape.split("x"))
     torch.manual_seed(0)
     weights = []

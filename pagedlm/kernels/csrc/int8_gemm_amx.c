@@ -151,6 +151,18 @@ static inline void finish(const float* acc, int half, const float* ws, const voi
   }
 }
 
+// Rows m0 .. m0 + 31 against weight tiles b0 (and b1): activation blocks b .. b + CHUNK - 1
+// (fewer at K's end) into four int32 C tiles each, then summed into that group's acc.
+static inline __attribute__((always_inline)) void group_chunk(
+    const int8_t* aq, const float* as, const int32_t* corr, const uint8_t* b0, const uint8_t* b1,
+    int64_t mb, int64_t m0, int64_t b, int64_t nb, int64_t K, int64_t QB, int32_t* c,
+    float* acc, const int NT) {
+  const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
+  for (int64_t g = 0; g < nc; g++)
+    block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, m0 == mb, NT);
+  accumulate(c, nc, as, corr, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, NT);
+}
+
 // One pair of weight tiles (t0, and t0 + 1 when NT == 2) against rows mb .. mend - 1 (a
 // block): K in chunks of CHUNK activation blocks, every 32-row group per chunk.
 static inline __attribute__((always_inline)) void pair_product(
@@ -163,23 +175,12 @@ static inline __attribute__((always_inline)) void pair_product(
   if (32 * K <= PAIR_L1_BYTES) {  // the pair's whole weight stays in L1: rows outer, and
     // each group's sums stay in L1 too
     for (int64_t m0 = mb; m0 < mend; m0 += 32)
-      for (int64_t b = 0; b < nb; b += CHUNK) {
-        const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
-        for (int64_t g = 0; g < nc; g++)
-          block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, m0 == mb,
-                        NT);
-        accumulate(c, nc, as, corr, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, NT);
-      }
+      for (int64_t b = 0; b < nb; b += CHUNK)
+        group_chunk(aq, as, corr, b0, b1, mb, m0, b, nb, K, QB, c, acc, NT);
   } else {
-    for (int64_t b = 0; b < nb; b += CHUNK) {
-      const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
-      for (int64_t m0 = mb; m0 < mend; m0 += 32) {
-        for (int64_t g = 0; g < nc; g++)
-          block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, m0 == mb,
-                        NT);
-        accumulate(c, nc, as, corr, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, NT);
-      }
-    }
+    for (int64_t b = 0; b < nb; b += CHUNK)
+      for (int64_t m0 = mb; m0 < mend; m0 += 32)
+        group_chunk(aq, as, corr, b0, b1, mb, m0, b, nb, K, QB, c, acc, NT);
   }
   for (int64_t m0 = mb; m0 < mend; m0 += 32) {
     const int64_t rows = mend - m0 < 32 ? mend - m0 : 32;

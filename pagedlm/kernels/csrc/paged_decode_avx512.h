@@ -292,13 +292,12 @@ static inline __attribute__((always_inline)) void weighted_values_amx(
     for (int h = 0; h < 16; h++)
       _mm512_storeu_si512(pa + c * 512 + h * 32, (__m512i)_mm512_cvtne2ps_pbh(hi[h], lo[h]));
   }
-  __m512i pairs = _mm512_setzero_si512();  // (a[k], b[k]) for k < 16: a's k, then b's (32 + k)
-  uint16_t idx[32];
+  uint16_t idx[32];  // (a[k], b[k]) for k < 16: a's k, then b's (32 + k)
   for (int k = 0; k < 16; k++) {
     idx[2 * k] = (uint16_t)k;
     idx[2 * k + 1] = (uint16_t)(32 + k);
   }
-  pairs = _mm512_loadu_si512(idx);
+  const __m512i pairs = _mm512_loadu_si512(idx);
   const uint16_t* vc = (const uint16_t*)v_cache;
   float sums[4][256] __attribute__((aligned(64)));
   for (int64_t j = 0; j < kv_count; j++)
