@@ -7,8 +7,9 @@
   unpacked to int8 in a per-thread scratch (AVX-512 VNNI only); on K-quants the activations
   are quantized per 256 values (ggml's Q8_K) and the sub-blocks combine in int32.
 - `int8_gemm_amx`: the GEMM of per-channel int8 weights (`pack_q8`) on AMX-INT8, activations
-  quantized per 128 values (`amx_act_block`), each block's dots summed in int32 tiles
-  (csrc/int8_gemm_amx.c); `gguf_gemm` takes it for those weights where AMX runs.
+  quantized per 128 values (`amx_act_block`) or per token (`per_token_activations`), each
+  block's dots summed in int32 tiles (csrc/int8_gemm_amx.c); `gguf_gemm` takes it for those
+  weights where AMX runs.
 - `gguf_dequantize_rows`: a tile of W rows as bf16/fp32, for prefill GEMMs on oneDNN.
 - `quantize_rows_q8`: the kernels' activation quantization alone (for the tests).
 
@@ -182,10 +183,12 @@ declare("int8_gemm_amx_supported", [], _int)
 declare("int8_gemm_amx", [_ptr] * 5 + [_i64] * 5 + [_int] * 2, _int)
 
 
-def amx_act_block(k: int) -> int:
-    """Values per activation scale in `int8_gemm_amx`: 128 (as the VNNI GEMM; per token costs
-    +0.71% perplexity against +0.22% on the default model), or 64 where K is not a multiple
-    of 128."""
+def amx_act_block(k: int, per_token: bool = False) -> int:
+    """Values per activation scale in `int8_gemm_amx`: K for weights packed with
+    `per_token_activations`, else 128 (as the VNNI GEMM; per token on every layer costs +0.71%
+    perplexity against +0.22% on the default model), or 64 where K is not a multiple of 128."""
+    if per_token:
+        return k
     return 128 if k % 128 == 0 else 64
 
 
@@ -216,7 +219,7 @@ def gemm_args(
         )
         x_ptr, qs, *_, bias_ptr, y_ptr = pointers
         bf16 = layout[-1]
-        qb = amx_act_block(k)
+        qb = amx_act_block(k, w.per_token_activations)
         return y, "int8_gemm_amx", (x_ptr, qs, ws, bias_ptr, y_ptr, ldy, m, n, k, qb, bf16, threads)
     return y, "gguf_gemm", (*pointers, ldy, m, n, k, w.gemm_act_block, *layout, threads)
 
@@ -225,8 +228,9 @@ def gguf_gemm(
     x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None, amx: bool | None = None
 ) -> torch.Tensor | None:
     """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype, integer dot products:
-    activations quantized per `w.gemm_act_block` values (`amx_act_block` on AMX-INT8, see
-    `gemm_args`); None without C kernels, or without AVX-512 VNNI where AMX does not run."""
+    activations quantized per `w.gemm_act_block` values (on AMX-INT8 per `amx_act_block`:
+    per token where `w.per_token_activations`); None without C kernels, or without AVX-512
+    VNNI where AMX does not run."""
     lib = cpu_kernels()
     if lib is None:
         return None

@@ -70,6 +70,9 @@ class PackedGGUFWeight:
     # fp32 [T * 16] (padding rows 0): the one scale of each row, where `scales` repeats it
     # over the row's blocks (per-channel int8, `pack_q8`); the AMX-INT8 GEMM reads only this
     channel_scales: torch.Tensor | None = None
+    # per-channel int8: the AMX-INT8 GEMM quantizes the activations once per token (vLLM's
+    # W8A8), not per `kernels.gguf.amx_act_block(K)` values
+    per_token_activations: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -297,11 +300,13 @@ def pack_gguf(
     )
 
 
-def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> PackedGGUFWeight:
+def pack_q8(
+    q: torch.Tensor, scale: torch.Tensor, per_token_activations: bool = False
+) -> PackedGGUFWeight:
     """Symmetric int8 rows q [N, K] and their scales -> Q8_0's packed layout with fp32 scales:
     the int8 linear methods' weights, computed by the same kernels. `scale`: [N, K/32] (W =
     scale * q per 32-value block) or [N], one per output channel (also kept as
-    `channel_scales`)."""
+    `channel_scales`, with `per_token_activations`)."""
     n, k = q.shape
     per_channel = scale.dim() == 1
     blocks = scale.float().reshape(n, 1).expand(n, k // 32) if per_channel else scale.float()
@@ -320,7 +325,17 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> PackedGGUFWeight:
     if per_channel:
         channel = _pad_rows(scale.float().reshape(n, 1), tiles * TILE_ROWS).reshape(-1)
     return PackedGGUFWeight(
-        qs, None, packed_scales, None, 8, 32, 128, int(_T.Q8_0), n, channel_scales=channel
+        qs,
+        None,
+        packed_scales,
+        None,
+        8,
+        32,
+        128,
+        int(_T.Q8_0),
+        n,
+        channel_scales=channel,
+        per_token_activations=per_channel and per_token_activations,
     )
 
 

@@ -70,6 +70,19 @@ def test_amx_int8_gemm_equals_its_twin(m, n, k, dtype) -> None:
     _check(kg.gguf_gemm(x, packed, bias), q, scale, x, bias, kg.amx_act_block(k))
 
 
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(45, 40, 1344), (70, 33, 2048), (33, 48, 896)])
+def test_amx_int8_gemm_per_token(m, n, k, dtype) -> None:
+    """Activations per token: K in 512-value chunks with the int32 sums carried between them
+    (1344: a shorter last chunk), and whole (896: the pair's weight fits L1)."""
+    packed, q, scale, x, bias = _case(m, n, k, dtype)
+    per_token = pack_q8(q, scale, per_token_activations=True)
+    assert per_token.per_token_activations and not packed.per_token_activations
+    assert kg.amx_act_block(k, per_token=True) == k
+    _check(kg.gguf_gemm(x, per_token, bias), q, scale, x, bias, k)
+
+
 @pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler")
 @pytest.mark.parametrize("isa", ["portable"] + (["avx2"] if kg.gguf_isa() == "avx2" else []))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -162,7 +162,8 @@ def test_int8_w8a8_equals_its_dequantized_matmul(dtype) -> None:
 @pytest.mark.parametrize("fused", ["qkv", "gate_up"])
 def test_int8_layer_is_quantized_when_its_last_shard_loads(fused) -> None:
     """The dense weight lives only until every shard is in (one layer's dense weight at a
-    time while a checkpoint loads); the packed rows are each shard's, in order."""
+    time while a checkpoint loads); the packed rows are each shard's, in order. gate/up's
+    input goes per token to the AMX GEMM, qkv's per 128 values."""
     with set_quantization("int8"):
         if fused == "qkv":
             layer = QKVParallelLinear(128, 16, 4, 2)
@@ -181,6 +182,7 @@ def test_int8_layer_is_quantized_when_its_last_shard_loads(fused) -> None:
     torch.testing.assert_close(
         dequantize_packed(group.packed), q.float() * scale[:, None], atol=0, rtol=0
     )
+    assert group.packed.per_token_activations == (fused == "gate_up")
 
 
 def test_int8_off_the_kernel_shapes_keeps_the_dequantized_weight() -> None:

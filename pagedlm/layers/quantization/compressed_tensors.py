@@ -1,7 +1,8 @@
 """Which `compressed-tensors` checkpoints load: int8 W8A8 as llm-compressor writes it for
 vLLM (`quantization_config.quant_method == "compressed-tensors"`, format `int-quantized`),
 symmetric int8 weights per output channel, int8 input activations quantized dynamically
-(vLLM: per token; here per 32 or 128 values, see `int8.py`). Anything else is refused by name.
+(vLLM: per token; here per 32 or 128 values, or per token where the layer allows it on
+AMX, see `int8.py`). Anything else is refused by name.
 """
 
 from __future__ import annotations
