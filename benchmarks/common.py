@@ -132,6 +132,12 @@ def find_tcmalloc() -> str | None:
     return None
 
 
+def by_model_size(sizes) -> list[str]:
+    """Model-size keys ("0.5b", "3b", ...) smallest first, whatever order a results file
+    holds them in."""
+    return sorted(sizes, key=lambda size: float(size.rstrip("b")))
+
+
 def with_preloaded(env: dict[str, str], library: str) -> dict[str, str]:
     """`env` with `library` first in LD_PRELOAD (what it held before kept after it)."""
     return {**env, "LD_PRELOAD": ":".join(filter(None, [library, env.get("LD_PRELOAD")]))}

@@ -26,6 +26,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import by_model_size  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # backend name in the JSON -> (label, colour); also the order of the bars
@@ -70,6 +73,8 @@ def load(paths: list[Path]) -> tuple[dict[str, dict], list[tuple[dict, dict]], d
         data = json.loads(path.read_text())
         source = data.get("source", {})
         if "sizes" in data:
+            if scaling is not None:
+                print(f"{path}: replaces the earlier scaling file", file=sys.stderr)
             scaling = data
         elif "workload" in data and "results" in data:
             if not ordered(data["results"]):
@@ -167,7 +172,7 @@ def plot_latency(runs: list[tuple[dict, dict]], out: Path) -> None:
 
 def plot_scaling(data: dict, out: Path) -> None:
     """Grouped bars: one group per model size, one bar per backend, one panel per workload."""
-    sizes = sorted(data["sizes"], key=lambda size: float(size.rstrip("b")))
+    sizes = by_model_size(data["sizes"])
     panels = [("random", "total_tok_s", "random, 32 x 256/128: total tokens/s"),
               ("long", "total_tok_s", "long, 8 x 4096/64: total tokens/s"),
               ("batch1", "decode_tok_s", "batch 1: decode tokens/s")]  # fmt: skip

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cache_dir, cpu_description  # noqa: E402
+from common import by_model_size, cache_dir, cpu_description  # noqa: E402
 from make_shaped_gguf import make_shaped_gguf  # noqa: E402
 from make_shaped_model import SHAPES, make_shaped_model  # noqa: E402
 
@@ -56,7 +56,7 @@ def print_tables(table: dict) -> None:
         if not any(workload in cols for cols in table.values()):
             continue
         print(f"\n{workload}: {unit} (peak RSS MB) and ratio to vllm bf16")
-        sizes = sorted(table, key=lambda size: float(size.rstrip("b")))
+        sizes = by_model_size(table)
         print(f"{'backend':<14}" + "".join(f"{s:>26}" for s in sizes))
         backends = {b for s in sizes for b in table[s].get(workload, {})}
         for b in sorted(backends):
