@@ -49,7 +49,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
   const int64_t pos0 = seq_len - q_len;  // position of the chunk's first query
   const int64_t* table = a->block_table + req * a->max_blocks;
   const int64_t rows = (i1 - i0) * G;
-  const int64_t RB = PATH == 4 ? 16 : RB_ROWS;  // rows per block
+  const int64_t RB = PATH == 4 ? RB_AMX : RB_ROWS;  // rows per block
   const int64_t rows_pad = (rows + RB - 1) / RB * RB;  // whole row blocks
   const int BF16 = PATH == 2 || PATH == 4;  // bf16 packing, queries and probabilities
   // The vector paths keep scores in base 2 (scale * log2(e) folded in, exp2 in the softmax).
@@ -265,7 +265,7 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     const int64_t n = query_start_loc[r + 1] - query_start_loc[r];
     first_item[r + 1] = first_item[r] + (n + tile - 1) / tile * num_kv_heads;
   }
-  const int64_t rows_cap = (tile * group + 15) / 16 * 16;  // whole blocks of 8 or 16 rows
+  const int64_t rows_cap = (tile * group + 31) / 32 * 32;  // whole blocks of 8 or 32 rows
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -277,8 +277,8 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     s.m = malloc(sizeof(float) * rows_cap);
     s.l = malloc(sizeof(float) * rows_cap * 16);
     s.alpha = malloc(sizeof(float) * rows_cap);
-    s.p = malloc(sizeof(float) * 16 * KT);  // a block of RB_ROWS or 16 (AMX) rows
-    s.pb = malloc(sizeof(uint32_t) * 16 * KT / 2);
+    s.p = malloc(sizeof(float) * 32 * KT);  // a block of RB_ROWS or 32 (AMX) rows
+    s.pb = malloc(sizeof(uint32_t) * 32 * KT / 2);
     s.kt = malloc(sizeof(float) * d * KT);
     s.vf = malloc(sizeof(float) * d * KT);
     s.qf = malloc(sizeof(float) * rows_cap * d);
