@@ -36,7 +36,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 512, 4096])
     parser.add_argument("--copies", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--activation-block",
+        type=int,
+        default=128,
+        help="values per activation scale in the AMX int8 GEMM (a layer's activation_block; "
+        "0: per token, as gate/up)",
+    )
     args = parser.parse_args()
+    block = args.activation_block or None
     tcmalloc = find_tcmalloc()
     if tcmalloc and tcmalloc not in os.environ.get("LD_PRELOAD", ""):
         os.execve(sys.executable, [sys.executable, *sys.argv], with_preloaded(os.environ, tcmalloc))
@@ -46,7 +54,7 @@ def main() -> None:
     for _ in range(args.copies):
         w = torch.randn(n, k) * 0.02
         bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
-        weights.append((pack_q8(*quantize_per_channel(w)), bf16))
+        weights.append((pack_q8(*quantize_per_channel(w), block), bf16))
     kernels = {
         "int8": lambda x, w: gguf_linear(x, w[0]),
         "bf16 oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(
@@ -55,7 +63,8 @@ def main() -> None:
     }
     allocator = "tcmalloc" if tcmalloc else "glibc malloc"
     print(
-        f"N={n} K={k}, {args.copies} weights cycled, {torch.get_num_threads()} threads, {allocator}"
+        f"N={n} K={k}, {args.copies} weights cycled, {torch.get_num_threads()} threads, "
+        f"{allocator}, int8 activations per {block or 'token'}"
     )
     for m in args.rows:
         x = torch.randn(m, k).bfloat16()

@@ -7,7 +7,7 @@
   unpacked to int8 in a per-thread scratch (AVX-512 VNNI only); on K-quants the activations
   are quantized per 256 values (ggml's Q8_K) and the sub-blocks combine in int32.
 - `int8_gemm_amx`: the GEMM of per-channel int8 weights (`pack_q8`) on AMX-INT8, activations
-  quantized per 128 values (`amx_act_block`) or per token (`per_token_activations`), each
+  quantized per the weight's `activation_block` values or per token (`amx_act_block`), each
   block's dots summed in int32 tiles (csrc/int8_gemm_amx.c); `gguf_gemm` takes it for those
   weights where AMX runs.
 - `gguf_dequantize_rows`: a tile of W rows as bf16/fp32, for prefill GEMMs on oneDNN.
@@ -183,13 +183,13 @@ declare("int8_gemm_amx_supported", [], _int)
 declare("int8_gemm_amx", [_ptr] * 5 + [_i64] * 5 + [_int] * 2, _int)
 
 
-def amx_act_block(k: int, per_token: bool = False) -> int:
-    """Values per activation scale in `int8_gemm_amx`: K for weights packed with
-    `per_token_activations`, else 128 (as the VNNI GEMM; per token on every layer costs +0.71%
-    perplexity against +0.22% on the default model), or 64 where K is not a multiple of 128."""
-    if per_token:
+def amx_act_block(k: int, block: int | None = 128) -> int:
+    """Values per activation scale in `int8_gemm_amx`: K where `block` is None (per token), else
+    `block` where it divides K, else 128, or 64 where K is not a multiple of 128. The layers
+    choose (`LinearBase.activation_block`); the VNNI GEMM takes 128 whatever they ask."""
+    if block is None:
         return k
-    return 128 if k % 128 == 0 else 64
+    return next(b for b in (block, 128, 64) if k % b == 0)
 
 
 def _takes_amx(w: PackedGGUFWeight, amx: bool | None) -> bool:
@@ -219,7 +219,7 @@ def gemm_args(
         )
         x_ptr, qs, *_, bias_ptr, y_ptr = pointers
         bf16 = layout[-1]
-        qb = amx_act_block(k, w.per_token_activations)
+        qb = amx_act_block(k, w.activation_block)
         return y, "int8_gemm_amx", (x_ptr, qs, ws, bias_ptr, y_ptr, ldy, m, n, k, qb, bf16, threads)
     return y, "gguf_gemm", (*pointers, ldy, m, n, k, w.gemm_act_block, *layout, threads)
 
@@ -229,7 +229,7 @@ def gguf_gemm(
 ) -> torch.Tensor | None:
     """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype, integer dot products:
     activations quantized per `w.gemm_act_block` values (on AMX-INT8 per `amx_act_block`:
-    per token where `w.per_token_activations`); None without C kernels, or without AVX-512
+    `w.activation_block`); None without C kernels, or without AVX-512
     VNNI where AMX does not run."""
     lib = cpu_kernels()
     if lib is None:

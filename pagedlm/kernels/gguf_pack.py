@@ -70,9 +70,9 @@ class PackedGGUFWeight:
     # fp32 [T * 16] (padding rows 0): the one scale of each row, where `scales` repeats it
     # over the row's blocks (per-channel int8, `pack_q8`); the AMX-INT8 GEMM reads only this
     channel_scales: torch.Tensor | None = None
-    # per-channel int8: the AMX-INT8 GEMM quantizes the activations once per token (vLLM's
-    # W8A8), not per `kernels.gguf.amx_act_block(K)` values
-    per_token_activations: bool = False
+    # per-channel int8: the values per activation scale that the AMX-INT8 GEMM is asked for
+    # (`kernels.gguf.amx_act_block`), or None: once per token (vLLM's W8A8)
+    activation_block: int | None = 128
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -301,12 +301,12 @@ def pack_gguf(
 
 
 def pack_q8(
-    q: torch.Tensor, scale: torch.Tensor, per_token_activations: bool = False
+    q: torch.Tensor, scale: torch.Tensor, activation_block: int | None = 128
 ) -> PackedGGUFWeight:
     """Symmetric int8 rows q [N, K] and their scales -> Q8_0's packed layout with fp32 scales:
     the int8 linear methods' weights, computed by the same kernels. `scale`: [N, K/32] (W =
     scale * q per 32-value block) or [N], one per output channel (also kept as
-    `channel_scales`, with `per_token_activations`)."""
+    `channel_scales`, 0 on all-zero rows, with `activation_block`)."""
     n, k = q.shape
     per_channel = scale.dim() == 1
     blocks = scale.float().reshape(n, 1).expand(n, k // 32) if per_channel else scale.float()
@@ -322,8 +322,11 @@ def pack_q8(
         qs[r0 // TILE_ROWS : r0 // TILE_ROWS + rows // TILE_ROWS] = _tiles(_pad_rows(u, rows), 8)[0]
     packed_scales = _row_tiles(blocks, tiles * TILE_ROWS).contiguous()
     channel = None
-    if per_channel:
-        channel = _pad_rows(scale.float().reshape(n, 1), tiles * TILE_ROWS).reshape(-1)
+    if per_channel:  # an all-zero row's scale is 0 here: the AMX GEMM sums q + 128 in fp32
+        # and takes the + 128's share off per row, leaving rounding residue times the scale
+        zero_rows = ~q.contiguous().view(torch.int64).any(dim=1)  # 8 quants a lane (6x faster)
+        kept = scale.float().reshape(n).masked_fill(zero_rows, 0.0).reshape(n, 1)
+        channel = _pad_rows(kept, tiles * TILE_ROWS).reshape(-1)
     return PackedGGUFWeight(
         qs,
         None,
@@ -335,7 +338,7 @@ def pack_q8(
         int(_T.Q8_0),
         n,
         channel_scales=channel,
-        per_token_activations=per_channel and per_token_activations,
+        activation_block=activation_block if per_channel else 128,
     )
 
 

@@ -55,7 +55,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], bias=bias
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, activation_block=256
+        )
         self.act_fn = get_act_and_mul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

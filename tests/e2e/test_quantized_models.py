@@ -150,6 +150,10 @@ def test_int8_matches_its_fake_quantized_weights(tiny_model_factory, tied, tmp_p
         inner = llm.llm_engine.model_executor.driver_worker.model_runner.model
         assert inner.lm_head.weight is None
         assert inner.model.embed_tokens.weight.is_meta == tied
+        attn, mlp = inner.model.layers[0].self_attn, inner.model.layers[0].mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        blocks = [layer.packed_groups[0].packed.activation_block for layer in linears]
+        assert blocks == [128, 128, None, 256]  # the AMX GEMM's activation scales per layer
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         got = [o.outputs[0] for o in llm.generate(prompts, TOP5, use_tqdm=False)]
     finally:

@@ -32,13 +32,17 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype):
     return pack_q8(q, scale), q, scale, x.to(dtype), torch.randn(n, generator=gen).to(dtype)
 
 
-def _check(got, q, scale, x, bias, block: int) -> None:
+def _check(got, q, scale, x, bias, block: int, stored_quants: bool = False) -> None:
+    """`stored_quants`: the kernel sums in fp32 the products with the weights as stored, q +
+    128, and subtracts the + 128's share once per row (AMX, blocks up to 512 values), so its
+    rounding scales with |q| + 128 rather than |q|."""
     m, k = x.shape
     aq, d = quantize_activations(x, block)
     xq = (aq.double().view(m, k // block, block) * d.double()[..., None]).view(m, k)
     wd = q.double() * scale.double()[:, None]
     want = xq @ wd.T + bias.double()
-    bound = (xq.abs() @ wd.abs().T) * 2**-20 + 1e-6
+    summed = (q.double().abs() + 128) * scale.double()[:, None] if stored_quants else wd.abs()
+    bound = (xq.abs() @ summed.T) * 2**-20 + 1e-6
     if x.dtype == torch.bfloat16:  # one rounding of the fp32 result to bf16
         bound = bound + want.abs() * 2**-8
     assert got.dtype == x.dtype and got.shape == (m, q.shape[0])
@@ -48,7 +52,9 @@ def _check(got, q, scale, x, bias, block: int) -> None:
 def test_pack_q8_holds_the_quants_and_scales_exactly() -> None:
     packed, q, scale, *_ = _case(3, 40, 128, torch.float32)
     assert torch.equal(dequantize_packed(packed), q.float() * scale[:, None])
-    assert torch.equal(packed.channel_scales[:40], scale) and not packed.channel_scales[40:].any()
+    kept = scale.clone()
+    kept[1] = 0  # the all-zero row's scale is 0 for the AMX GEMM
+    assert torch.equal(packed.channel_scales[:40], kept) and not packed.channel_scales[40:].any()
     blocks = pack_q8(q, scale[:, None].expand(40, 4))  # per-block scales: no channel scales
     assert blocks.channel_scales is None and torch.equal(blocks.qs, packed.qs)
     with pytest.raises(ValueError, match="pack_q8 takes"):
@@ -67,7 +73,7 @@ def test_amx_int8_gemm_equals_its_twin(m, n, k, dtype) -> None:
     packed, q, scale, x, bias = _case(m, n, k, dtype)
     _, fn, _ = kg.gemm_args(x, packed, bias)
     assert fn == "int8_gemm_amx"
-    _check(kg.gguf_gemm(x, packed, bias), q, scale, x, bias, kg.amx_act_block(k))
+    _check(kg.gguf_gemm(x, packed, bias), q, scale, x, bias, kg.amx_act_block(k), True)
 
 
 @needs_amx
@@ -77,10 +83,31 @@ def test_amx_int8_gemm_per_token(m, n, k, dtype) -> None:
     """Activations per token: K in 512-value chunks with the int32 sums carried between them
     (1344: a shorter last chunk), and whole (896: the pair's weight fits L1)."""
     packed, q, scale, x, bias = _case(m, n, k, dtype)
-    per_token = pack_q8(q, scale, per_token_activations=True)
-    assert per_token.per_token_activations and not packed.per_token_activations
-    assert kg.amx_act_block(k, per_token=True) == k
+    per_token = pack_q8(q, scale, activation_block=None)
+    assert per_token.activation_block is None and packed.activation_block == 128
+    assert kg.amx_act_block(k, None) == k
     _check(kg.gguf_gemm(x, per_token, bias), q, scale, x, bias, k)
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k", "block"), [(40, 48, 1280, 256), (33, 40, 2048, 512)])
+def test_amx_int8_gemm_coarser_blocks(m, n, k, block, dtype) -> None:
+    """A layer's coarser block (down's 256; 512, where the int32 sums of the weights as stored
+    come closest to fp32's 2^24) against the twin at that block; the same output checked at
+    128 fails, so the test tells the block sizes apart."""
+    packed, q, scale, x, bias = _case(m, n, k, dtype)
+    coarse = pack_q8(q, scale, activation_block=block)
+    assert kg.amx_act_block(k, coarse.activation_block) == block
+    got = kg.gguf_gemm(x, coarse, bias)
+    _check(got, q, scale, x, bias, block, True)
+    with pytest.raises(AssertionError):
+        _check(got, q, scale, x, bias, 128, True)
+
+
+def test_amx_act_block_falls_back_to_a_divisor_of_k() -> None:
+    assert [kg.amx_act_block(k, 256) for k in (4864, 896, 960)] == [256, 128, 64]
+    assert kg.amx_act_block(896, None) == 896
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler")

@@ -182,7 +182,7 @@ def test_int8_layer_is_quantized_when_its_last_shard_loads(fused) -> None:
     torch.testing.assert_close(
         dequantize_packed(group.packed), q.float() * scale[:, None], atol=0, rtol=0
     )
-    assert group.packed.per_token_activations == (fused == "gate_up")
+    assert group.packed.activation_block == (None if fused == "gate_up" else 128)
 
 
 def test_int8_off_the_kernel_shapes_keeps_the_dequantized_weight() -> None:

@@ -13,8 +13,8 @@ C).
 Both keep only the packed copy (`kernels.gguf_pack.pack_q8`: Q8_0's tile layout, fp32 scales)
 and compute as packed GGUF does (`PackedLinearMethod`): the activations are quantized
 dynamically per 32 values (GEMV: decode-sized batches, every batch on AVX2) or 128 (GEMM:
-AMX-INT8 where it runs, else AVX-512 VNNI), finer than vLLM's per token, except where the
-layer allows per token (`per_token_activations`: the gate/up projection) and AMX runs. Where
+AMX-INT8 where it runs, else AVX-512 VNNI), finer than vLLM's per token; on AMX-INT8 per
+the layer's `activation_block` (`LinearBase`: per token on gate/up, 256 on down, else 128). Where
 K is not a multiple of 64 the kernels do not apply: the layer keeps the dequantized weight
 (q * scale) and computes with F.linear.
 """
@@ -54,8 +54,8 @@ class _Int8Method(PackedLinearMethod):
         n, k = q.shape
         scale = scale.float().reshape(n)
         if can_pack(GGMLQuantizationType.Q8_0, (n, k)):
-            per_token = getattr(layer, "per_token_activations", False)  # LM head: no
-            group = PackedGroup(0, n, pack_q8(q, scale, per_token), None)
+            block = getattr(layer, "activation_block", 128)  # the LM head's: 128
+            group = PackedGroup(0, n, pack_q8(q, scale, block), None)
         else:
             group = PackedGroup(0, n, None, (q.float() * scale[:, None]).to(layer.params_dtype))
         layer.weight = None
