@@ -4,8 +4,8 @@
 // each of 16 columns). Prefill chunks and decode batches past the GEMV's of quantization="int8"
 // and compressed-tensors W8A8 layers.
 //
-// 1. Every row of x is quantized to int8 per QB-value block (the caller's: 128, or K, per token
-//    as vLLM's W8A8, where the layer's quality allows): as[m][b] =
+// 1. Every row of x is quantized to int8 per QB-value block (the caller's: the layer's
+//    activation_block, 128 or 256, or K, per token as vLLM's W8A8): as[m][b] =
 //    amax / 127, and corr[m][b] = 128 * (the block's sum of quants) undoes the + 128 of the
 //    weights. The quants are laid out as the A tiles they become: per 32-row group and 64-value
 //    k-step, 2 KB (rows 0-15, then 16-31), so each tile load reads 1 KB in a row.
@@ -15,15 +15,16 @@
 //    group of the block runs against them: per activation block four int32 C tiles
 //    accumulate its QB values (exact) and are stored, then acc[m][n] += as[m][b] * C in fp32,
 //    one pass over acc per chunk, from acc = -rc[m] = -sum over b of as[m][b] * corr[m][b]
-//    (C < 2^24 is exact in fp32 for QB <= 512; ~5% faster than subtracting corr from every
-//    C). Longer blocks subtract it in int32 first. Then y = ws[n] * acc (+ bias[n]).
+//    (C < 2^24 is exact in fp32 for QB <= 512; 7-14% faster per 128 than subtracting corr
+//    from every C). Longer blocks subtract it in int32 first. Then y = ws[n] * acc (+ bias[n]).
 //    Where the pair's whole weight fits L1 (K <= 1024), row groups go outer instead, so each
 //    group's sums stay in L1 (qkv of the 0.5B at 512 rows: 2.0 -> 2.4 TOPS). Blocks longer
 //    than CHUNK_VALUES (per token) go in chunks of that many values, each group's C tiles
 //    stored and reloaded between chunks, so the fp32 work comes once per block (a cold 512 x
 //    17920 x 1536 product: 3.4 TOPS per 128 values, 4.6 per token).
 //
-// On 2 Sapphire Rapids cores the tile products do not overlap the AVX-512 work, so the time is
+// On 2 Sapphire Rapids cores the tile products do not overlap the AVX-512 work (issuing the next
+// group's products before this group's accumulation measured no faster), so the time is
 // the TDPs plus the per-block fp32 accumulation: grouping blocks, keeping the chunk's weights
 // in L1 and the block's quants in L2 took a cold 512 x 17920 x 1536 product from 2.6 to ~3.4
 // TOPS, and a 32-row decode one from 1.6 to 1.25 ms (memory-bound: 1.1; benchmarks/gemm_micro.py).
