@@ -6,18 +6,16 @@
 // position seq_len - n + i and sees keys at positions <= its own (and > its own - window with a
 // sliding window). Work items are (request, kv head, tile of query tokens); an item holds the
 // rows (token, query head of the kv head's group) of its tile, walks the key range its rows can
-// see in tiles of KT keys, each key/value tile converted into a packed layout (the BF16 paths
-// without a sliding window: once per call for all items, up to PACK_ONCE_BYTES; else by each
-// item into its scratch) and keeps a running (AVX-512: lazy reference) max, sum and fp32
-// accumulator per row; per tile, blocks of RB_ROWS rows take scores, softmax and P.V in turn,
-// so that their scores stay in L1. Memory: O(rows x head_size + KT x head_size) per thread,
-// plus the shared packing (4 x head_size bytes per key and kv head); no mask and no gathered
-// copy of the context exists.
+// see in tiles of KT keys, converts each key/value tile once into a packed scratch layout and
+// keeps a running (AVX-512: lazy reference) max, sum and fp32 accumulator per row; per tile,
+// blocks of RB_ROWS rows take scores, softmax and P.V in turn, so that their scores stay in L1.
+// Memory: O(rows x head_size + KT x head_size) per thread; no mask and no gathered copy of the
+// context exists.
 //
 // Five inner paths share this structure: portable C (any head size), AVX-512 in fp32
 // (head_size % 16 == 0), AVX-512 BF16 dot products (bf16 queries, bf16 or fp8 cache,
 // head_size 64 / 128 / 256), the same with AMX tile products for the scores and the weighted
-// values (blocks of 32 rows) and, without AVX-512, AVX2 in fp32 (head_size % 16 == 0); the
+// values (blocks of 16 rows) and, without AVX-512, AVX2 in fp32 (head_size % 16 == 0); the
 // vector paths are specialized for the common head sizes.
 #include <stdlib.h>
 
@@ -26,31 +24,6 @@
 #include "paged_prefill_amx.h"  // includes paged_prefill_bf16.h and paged_prefill_tiles.h
 
 #define ITEM_ROWS 512  // rows (query token x head of the group) per work item
-#define PACK_ONCE_BYTES (64 << 20)  // largest shared packing of a batch's key/value tiles
-
-// ---------------------------------------------------------------- packing once per batch
-// BF16 paths without a sliding window: every work item of a request reads the same key and
-// value tiles, which each used to pack for itself (~40% of the AMX path's time at 4096 rows,
-// 12/2 heads of 128). They are packed once instead, tile (request, tile t, kv head kh) at
-// ((pack_first[request] + t) * num_kv_heads + kh) * 2 * head_size * KT: keys, then values.
-static inline const uint16_t* packed_tile(const Args* a, int64_t req, int64_t kh, int64_t t) {
-  return a->packed + ((a->pack_first[req] + t) * a->num_kv_heads + kh) * 2 * a->head_size * KT;
-}
-
-#ifdef PAGEDLM_PREFILL_BF16
-// Packs tile t of request req's keys and values for kv head kh (keys past seq_len are 0).
-static void pack_tile(const Args* a, int64_t req, int64_t kh, int64_t t) {
-  const int64_t d = a->head_size, hi = a->seq_lens[req], t0 = t * KT;
-  const int kn = hi - t0 >= KT ? KT : (int)((hi - t0 + 31) & ~(int64_t)31);
-  const int64_t* table = a->block_table + req * a->max_blocks;
-  uint16_t* dst = (uint16_t*)packed_tile(a, req, kh, t);
-  uint32_t* kp = (uint32_t*)dst;
-  uint16_t* vp = dst + d * KT;
-  if (d == 64) pack_bf16(a, table, kh, t0, hi, kp, vp, 4, kn);
-  else if (d == 128) pack_bf16(a, table, kh, t0, hi, kp, vp, 8, kn);
-  else pack_bf16(a, table, kh, t0, hi, kp, vp, 16, kn);
-}
-#endif
 
 // Keys of the tile (from t0, kn of them) that the last row of the block rb .. rb + RB - 1 can
 // see, rounded up to two vectors: on the causal diagonal the vector paths stop there (the
@@ -107,39 +80,32 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
   for (int64_t t0 = lo; t0 < hi; t0 += KT) {
     // keys of this tile rounded up to two vectors: the last tile skips its empty vectors
     const int kn = hi - t0 >= KT ? KT : (int)((hi - t0 + 31) & ~(int64_t)31);
-    float *kt = s->kt, *vf = s->vf;  // this tile's packed keys and values
 #ifdef PAGEDLM_PREFILL_BF16
-    if (BF16 && a->packed != NULL) {
-      const uint16_t* tile = packed_tile(a, req, kh, t0 / KT);
-      kt = (float*)tile;
-      vf = (float*)(tile + d * KT);
-    } else if (BF16) {
-      pack_bf16(a, table, kh, t0, hi, (uint32_t*)kt, (uint16_t*)vf, DV, kn);
-    }
+    if (BF16) pack_bf16(a, table, kh, t0, hi, (uint32_t*)s->kt, (uint16_t*)s->vf, DV, kn);
 #endif
 #ifdef PAGEDLM_AVX512
-    if (PATH == 1) pack_f32_avx512(a, table, kh, t0, hi, kt, vf, DV, kn);
+    if (PATH == 1) pack_f32_avx512(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
 #endif
 #ifdef PAGEDLM_PREFILL_AVX2
-    if (PATH == 3) pack_f32_avx2(a, table, kh, t0, hi, kt, vf, DV, kn);
+    if (PATH == 3) pack_f32_avx2(a, table, kh, t0, hi, s->kt, s->vf, DV, kn);
 #endif
-    if (PATH == 0) pack_f32(a, table, kh, t0, hi, kt, vf, s->acc + rows_pad * d);
+    if (PATH == 0) pack_f32(a, table, kh, t0, hi, s->kt, s->vf, s->acc + rows_pad * d);
     // Row blocks: scores, softmax and P.V of RB rows while their scores are in L1.
     for (int64_t rb = 0; rb < rows_pad; rb += RB) {
       const int kb = block_keys(first_q, rows, G, t0, kn, rb, RB);
 #ifdef PAGEDLM_PREFILL_BF16
-      if (PATH == 2) qk_bf16(s->qb + rb * (d / 2), (const uint32_t*)kt, s->p, RB_ROWS, DV, kb);
+      if (PATH == 2) qk_bf16(s->qb + rb * (d / 2), (const uint32_t*)s->kt, s->p, RB_ROWS, DV, kb);
 #endif
 #ifdef PAGEDLM_PREFILL_AMX
-      if (PATH == 4 && rb == 0) qk_amx(s->qb, (const uint32_t*)kt, s->p, DV, kb);
+      if (PATH == 4 && rb == 0) qk_amx(s->qb, (const uint32_t*)s->kt, s->p, DV, kb);
 #endif
 #ifdef PAGEDLM_AVX512
-      if (PATH == 1) qk_f32_avx512(s->qf + rb * d, kt, s->p, RB_ROWS, DV, kb);
+      if (PATH == 1) qk_f32_avx512(s->qf + rb * d, s->kt, s->p, RB_ROWS, DV, kb);
 #endif
 #ifdef PAGEDLM_PREFILL_AVX2
-      if (PATH == 3) qk_f32_avx2(s->qf + rb * d, kt, s->p, DV, kb);
+      if (PATH == 3) qk_f32_avx2(s->qf + rb * d, s->kt, s->p, DV, kb);
 #endif
-      if (PATH == 0) qk_f32(s->qf + rb * d, kt, s->p, RB_ROWS, d);
+      if (PATH == 0) qk_f32(s->qf + rb * d, s->kt, s->p, RB_ROWS, d);
       for (int64_t r = rb; r < rb + RB; r++) {
         int64_t jlo = 0, jhi = -1;  // padded rows see nothing
         if (r < rows) {
@@ -171,7 +137,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
         softmax_row(s, pr, r, jlo, jhi);
       }
 #ifdef PAGEDLM_PREFILL_BF16
-      if (PATH == 2) pv_bf16(s, (const uint16_t*)vf, rb, DV, kb);
+      if (PATH == 2) pv_bf16(s, (const uint16_t*)s->vf, rb, DV, kb);
 #endif
 #ifdef PAGEDLM_PREFILL_AMX
       if (PATH == 4) {
@@ -179,18 +145,18 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
         // products run while the probabilities' stores drain, which pv_amx's tile loads of
         // them wait for
         if (rb + RB < rows_pad)
-          qk_amx(s->qb + (rb + RB) * (d / 2), (const uint32_t*)kt, s->p, DV,
+          qk_amx(s->qb + (rb + RB) * (d / 2), (const uint32_t*)s->kt, s->p, DV,
                  block_keys(first_q, rows, G, t0, kn, rb + RB, RB));
-        pv_amx(s, (const uint16_t*)vf, rb, DV, kb);
+        pv_amx(s, (const uint16_t*)s->vf, rb, DV, kb);
       }
 #endif
 #ifdef PAGEDLM_AVX512
-      if (PATH == 1) pv_f32_avx512(s, vf, rb, DV, kb);
+      if (PATH == 1) pv_f32_avx512(s, s->vf, rb, DV, kb);
 #endif
 #ifdef PAGEDLM_PREFILL_AVX2
-      if (PATH == 3) pv_f32_avx2(s, vf, rb, DV, kb);
+      if (PATH == 3) pv_f32_avx2(s, s->vf, rb, DV, kb);
 #endif
-      if (PATH == 0) pv_f32(s, vf, rb, d);
+      if (PATH == 0) pv_f32(s, s->vf, rb, d);
     }
   }
   for (int64_t r = 0; r < rows; r++) {
@@ -258,12 +224,12 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
                             int64_t head_size, int64_t block_size, float scale, int64_t window,
                             int bf16, int kind, float k_scale, float v_scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
-  Args a = {q,          k_cache,         v_cache,       block_table,
-            query_start_loc, seq_lens,   out,           max_blocks,
-            num_heads,  num_kv_heads,    head_size,     block_size,
-            window,     q_stride,        group,         num_kv_heads * head_size,
-            scale,      k_scale,         v_scale,       bf16,
-            kind,       NULL,            NULL};
+  const Args a = {q,          k_cache,         v_cache,       block_table,
+                  query_start_loc, seq_lens,   out,           max_blocks,
+                  num_heads,  num_kv_heads,    head_size,     block_size,
+                  window,     q_stride,        group,         num_kv_heads * head_size,
+                  scale,      k_scale,         v_scale,       bf16,
+                  kind};
   int path = 0;
 #ifdef PAGEDLM_PREFILL_AVX2
   if (head_size % 16 == 0) path = 3;
@@ -292,20 +258,8 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     if (tile == 1 || num_items >= 4 * num_threads) break;
     tile /= 2;
   }
-  int64_t* first_item = malloc(sizeof(int64_t) * (num_reqs + 2) * 2);
+  int64_t* first_item = malloc(sizeof(int64_t) * (num_reqs + 1));
   if (first_item == NULL) return -1;
-  int64_t* pack_first = first_item + num_reqs + 1;  // [num_reqs + 1]: tiles before request r
-  uint16_t* packed = NULL;
-  if ((path == 2 || path == 4) && window <= 0) {
-    pack_first[0] = 0;
-    for (int64_t r = 0; r < num_reqs; r++)
-      pack_first[r + 1] = pack_first[r] + (seq_lens[r] + KT - 1) / KT;
-    const int64_t bytes = pack_first[num_reqs] * num_kv_heads * 4 * head_size * KT;
-    if (bytes > 0 && bytes <= PACK_ONCE_BYTES) packed = aligned_alloc(64, bytes);
-    a.packed = packed;  // NULL (items pack for themselves) when too large or out of memory
-    a.pack_first = pack_first;
-  }
-  const int64_t pack_jobs = packed != NULL ? pack_first[num_reqs] * num_kv_heads : 0;
   first_item[0] = 0;
   for (int64_t r = 0; r < num_reqs; r++) {
     const int64_t n = query_start_loc[r + 1] - query_start_loc[r];
@@ -337,19 +291,6 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
 #pragma omp atomic write
       failed = 1;
     }
-#ifdef PAGEDLM_PREFILL_BF16
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t job = 0; job < pack_jobs; job++) {  // (request, tile, kv head)
-      int64_t lo = 0, hi = num_reqs;  // request: pack_first[req] <= tile < pack_first[req + 1]
-      const int64_t t = job / num_kv_heads;
-      while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        if (pack_first[mid] <= t) lo = mid;
-        else hi = mid;
-      }
-      pack_tile(&a, lo, job % num_kv_heads, t - pack_first[lo]);
-    }
-#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; it++) {
       if (!ok) continue;
@@ -381,6 +322,5 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     free(s.qb);
   }
   free(first_item);
-  free(packed);
   return failed ? -1 : 0;
 }

@@ -18,10 +18,6 @@ typedef struct {
   int64_t group, token_stride;
   float scale, k_scale, v_scale;
   int bf16, kind;  // queries / out in bf16; the cache's element kind (KV_*)
-  // BF16 paths: every key/value tile of the batch packed once (paged_prefill.c, pack_once), or
-  // NULL (each work item packs its own); request r's tiles start at tile pack_first[r]
-  const uint16_t* packed;
-  const int64_t* pack_first;
 } Args;
 
 // Per row: acc (head_size fp32), m (the running or reference max), l (the running sum; the
