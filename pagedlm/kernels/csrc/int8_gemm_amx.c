@@ -184,8 +184,8 @@ static inline void finish(const float* acc, int half, const float* ws, const voi
 // (fewer at K's end) into four int32 C tiles each, then summed into that group's acc.
 static inline __attribute__((always_inline)) void group_chunk(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* b0,
-    const uint8_t* b1, int64_t mb, int64_t m0, int64_t b, int64_t nb, int64_t K, int64_t QB, int32_t* c,
-    float* acc, const int NT) {
+    const uint8_t* b1, int64_t mb, int64_t m0, int64_t b, int64_t nb, int64_t K, int64_t QB,
+    int32_t* c, float* acc, const int NT) {
   const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
   for (int64_t g = 0; g < nc; g++)
     block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, 0, m0 == mb, NT);
@@ -200,8 +200,8 @@ static inline __attribute__((always_inline)) void group_chunk(
 // wait in `stash` (32 x 32 per group) between chunks and join acc after the block's last.
 static inline __attribute__((always_inline)) void long_block(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* b0,
-    const uint8_t* b1, int64_t mb, int64_t mend, int64_t b, int64_t nb, int64_t K, int64_t QB, int32_t* stash,
-    float* acc, const int NT) {
+    const uint8_t* b1, int64_t mb, int64_t mend, int64_t b, int64_t nb, int64_t K, int64_t QB,
+    int32_t* stash, float* acc, const int NT) {
   for (int64_t k0 = b * QB; k0 < (b + 1) * QB; k0 += CHUNK_VALUES) {
     const int64_t kn = (b + 1) * QB - k0 < CHUNK_VALUES ? (b + 1) * QB - k0 : CHUNK_VALUES;
     for (int64_t m0 = mb; m0 < mend; m0 += 32) {
@@ -218,9 +218,9 @@ static inline __attribute__((always_inline)) void long_block(
 // every 32-row group per chunk.
 static inline __attribute__((always_inline)) void pair_product(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* qs,
-    const float* ws,
-    const void* bias, void* y, int64_t ldy, int64_t mb, int64_t mend, int64_t t0, int64_t N,
-    int64_t K, int64_t QB, int bf16, int32_t* c, int32_t* stash, float* acc, const int NT) {
+    const float* ws, const void* bias, void* y, int64_t ldy, int64_t mb, int64_t mend, int64_t t0,
+    int64_t N, int64_t K, int64_t QB, int bf16, int32_t* c, int32_t* stash, float* acc,
+    const int NT) {
   const int64_t nb = K / QB;
   const uint8_t* b0 = qs + t0 * (K / 4) * 64;
   const uint8_t* b1 = b0 + (K / 4) * 64;

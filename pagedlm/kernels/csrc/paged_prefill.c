@@ -265,7 +265,7 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     const int64_t n = query_start_loc[r + 1] - query_start_loc[r];
     first_item[r + 1] = first_item[r] + (n + tile - 1) / tile * num_kv_heads;
   }
-  const int64_t rows_cap = (tile * group + 31) / 32 * 32;  // whole blocks of 8 or 32 rows
+  const int64_t rows_cap = (tile * group + RB_AMX - 1) / RB_AMX * RB_AMX;  // whole row blocks
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -277,8 +277,8 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     s.m = malloc(sizeof(float) * rows_cap);
     s.l = malloc(sizeof(float) * rows_cap * 16);
     s.alpha = malloc(sizeof(float) * rows_cap);
-    s.p = malloc(sizeof(float) * 32 * KT);  // a block of RB_ROWS or 32 (AMX) rows
-    s.pb = malloc(sizeof(uint32_t) * 32 * KT / 2);
+    s.p = malloc(sizeof(float) * RB_AMX * KT);  // a block of RB_ROWS or RB_AMX rows
+    s.pb = malloc(sizeof(uint32_t) * RB_AMX * KT / 2);
     s.kt = malloc(sizeof(float) * d * KT);
     s.vf = malloc(sizeof(float) * d * KT);
     s.qf = malloc(sizeof(float) * rows_cap * d);

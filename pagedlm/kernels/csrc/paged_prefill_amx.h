@@ -1,23 +1,23 @@
 // The AMX inner path of paged_prefill.c: the BF16 path's packing and softmax
 // (paged_prefill_bf16.h), with the scores and the weighted values as AMX tile products, 32
-// rows at a time (two A tiles against each B tile). The packed keys ([head_size / 2][KT] bf16 pairs) are B tiles as they lie
-// (16 dim pairs x 16 keys, rows KT * 4 bytes apart), the packed values ([KT / 2][head_size][2])
-// too (16 key pairs x 16 dims), the raw bf16 query rows and the bf16 probability rows A tiles.
+// rows at a time (two A tiles against each B tile). The packed keys ([head_size / 2][KT] bf16
+// pairs) are B tiles as they lie (16 dim pairs x 16 keys, rows KT * 4 bytes apart), the packed
+// values ([KT / 2][head_size][2]) too (16 key pairs x 16 dims), the raw bf16 query rows and the
+// bf16 probability rows A tiles.
 // Exact bf16 products and fp32 sums, as the BF16 path's dot products. Defines
 // PAGEDLM_PREFILL_AMX where the CPU has AMX-BF16.
 //
 // Per 16 rows x 256 keys, AVX-512 BF16 spent ~2500 cycles on each product; these are 32 tile
 // products each. At head size 128 the packed keys and values (64 KB each) come from L2; with
 // one A tile per block each B tile served one product and the block ran at ~800 GFLOP/s on 2
-// Sapphire Rapids cores, with two ~930. The packing of each tile (once per work item) is ~16%.
+// Sapphire Rapids cores, with two ~930 (one layer timed alone; an 8 x 4096 prefill of the
+// 1.5B in the engine: 45.1 -> 44.3 s). Packing each tile once per call instead of once per
+// work item was faster timed alone and gained nothing in the engine.
 #pragma once
 #include "paged_prefill_bf16.h"
 
 #if defined(PAGEDLM_PREFILL_BF16) && defined(PAGEDLM_AMX)
 #define PAGEDLM_PREFILL_AMX 1
-#define RB_AMX 32  // rows per block: two tiles' rows, so each key or value tile loaded serves
-                   // two tile products (16 rows: 970 GFLOP/s at 1.5B's shapes, bound by those
-                   // tiles' reads from L2)
 
 // Tiles 0-3: sums (rows 0-15 in 0, 1 and rows 16-31 in 2, 3; 16 keys or 16 dims each), 4, 5:
 // A (rows 0-15, 16-31), 6, 7: B.

@@ -7,6 +7,8 @@
 #define KT 256  // keys per tile: the per-row work of the online softmax and the accumulators'
                // loads and stores are paid once per 256 keys (128: 2-5% slower)
 #define RB_ROWS 8  // rows whose scores, softmax and P.V are computed together (in L1)
+#define RB_AMX 32  // the same on the AMX path: two tiles' rows, so each key or value tile loaded
+                   // serves two tile products (paged_prefill_amx.h)
 #define MAX_SLACK 8.f  // AVX-512 paths: a row's reference max (base 2) moves only when a score
                        // exceeds it by more than this, so probabilities stay <= 2^8
 
