@@ -44,6 +44,8 @@ def main() -> None:
         "0: per token, as gate/up)",
     )
     args = parser.parse_args()
+    if args.activation_block % 64:
+        parser.error("--activation-block: 0 (per token) or a multiple of 64")
     block = args.activation_block or None
     tcmalloc = find_tcmalloc()
     if tcmalloc and tcmalloc not in os.environ.get("LD_PRELOAD", ""):

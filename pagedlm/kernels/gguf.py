@@ -185,11 +185,12 @@ declare("int8_gemm_amx", [_ptr] * 5 + [_i64] * 5 + [_int] * 2, _int)
 
 def amx_act_block(k: int, block: int | None = 128) -> int:
     """Values per activation scale in `int8_gemm_amx`: K where `block` is None (per token), else
-    `block` where it divides K, else 128, or 64 where K is not a multiple of 128. The layers
-    choose (`LinearBase.activation_block`); the VNNI GEMM takes 128 whatever they ask."""
+    `block` where it is a multiple of 64 (the kernel's k-step) dividing K, else 128, or 64 where
+    K is not a multiple of 128. The layers choose (`LinearBase.activation_block`); the VNNI GEMM
+    takes 128 whatever they ask."""
     if block is None:
         return k
-    return next(b for b in (block, 128, 64) if k % b == 0)
+    return next(b for b in (block, 128, 64) if b % 64 == 0 and k % b == 0)
 
 
 def _takes_amx(w: PackedGGUFWeight, amx: bool | None) -> bool:

@@ -107,6 +107,7 @@ def test_amx_int8_gemm_coarser_blocks(m, n, k, block, dtype) -> None:
 
 def test_amx_act_block_falls_back_to_a_divisor_of_k() -> None:
     assert [kg.amx_act_block(k, 256) for k in (4864, 896, 960)] == [256, 128, 64]
+    assert kg.amx_act_block(1600, 100) == 64  # not a whole number of the kernel's k-steps
     assert kg.amx_act_block(896, None) == 896
 
 
