@@ -146,3 +146,29 @@ def test_amx_gemm_writes_into_columns_of_a_wider_output() -> None:
     assert fn == "int8_gemm_amx" and getattr(cpu_kernels(), fn)(*args)
     _check(out[:, 30:70], q, scale, x, bias, kg.amx_act_block(128))
     assert (out[:, :30] == 7).all() and (out[:, 70:] == 7).all()
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("m", "n", "dtype", "columns"),
+    [
+        (1100, 2048, torch.bfloat16, None),
+        (600, 1776, torch.float32, None),  # a last pair of one tile: masked stores
+        (1100, 2016, torch.bfloat16, (64, 2080)),  # rows 64-byte aligned within a wider y
+        (1100, 2016, torch.bfloat16, (2, 2018)),  # not aligned: plain stores
+    ],
+)
+def test_amx_gemm_outputs_past_the_l2s(m, n, dtype, columns) -> None:
+    """Outputs of 4 MiB and more go by non-temporal stores where y's rows are 64-byte aligned
+    (whole pairs' rows; the rest as plain stores), written around any columns outside y."""
+    packed, q, scale, x, bias = _case(m, n, 128, dtype)
+    if columns is None:
+        got = kg.gguf_gemm(x, packed, bias)
+    else:
+        out = torch.full((m, n + 128), 7.0, dtype=dtype)  # rows 4288 bytes apart
+        y, fn, args = kg.gemm_args(x, packed, bias, out=out[:, columns[0] : columns[1]])
+        assert fn == "int8_gemm_amx" and getattr(cpu_kernels(), fn)(*args)
+        assert (out[:, : columns[0]] == 7).all() and (out[:, columns[1] :] == 7).all()
+        got = out[:, columns[0] : columns[1]]
+    assert got.numel() * got.element_size() >= 4 << 20
+    _check(got, q, scale, x, bias, kg.amx_act_block(128), True)

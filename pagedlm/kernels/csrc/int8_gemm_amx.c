@@ -16,7 +16,11 @@
 //    accumulate its QB values (exact) and are stored, then acc[m][n] += as[m][b] * C in fp32,
 //    one pass over acc per chunk, from acc = -rc[m] = -sum over b of as[m][b] * corr[m][b]
 //    (C < 2^24 is exact in fp32 for QB <= 512; 7-14% faster per 128 than subtracting corr
-//    from every C). Longer blocks subtract it in int32 first. Then y = ws[n] * acc (+ bias[n]).
+//    from every C). Longer blocks subtract it in int32 first. After K's last block the sums
+//    go straight to y = ws[n] * acc (+ bias[n]), a pair's row as one 64-byte line (bf16),
+//    and by non-temporal stores where y passes 4 MiB: ordinary stores first read each line
+//    of y (strided rows, in no prefetcher's pattern), which took ~30% of a 4096 x 17920 x
+//    1536 product (70 -> 43 ms; 8 x 4096 prompts of the 1.5B int8: 38.5 -> 36.0 s).
 //    Where the pair's whole weight fits L1 (K <= 1024), row groups go outer instead, so each
 //    group's sums stay in L1 (qkv of the 0.5B at 512 rows: 2.0 -> 2.4 TOPS). Blocks longer
 //    than CHUNK_VALUES (per token) go in chunks of that many values, each group's C tiles
@@ -39,6 +43,7 @@
 #define CHUNK_VALUES 512        // K per L1 weight chunk within longer activation blocks
 #define PREFETCH_BYTES 2048     // weight bytes prefetched ahead of the first row group's loads
 #define PAIR_L1_BYTES (32 << 10)  // a pair's weights this small stay in L1 over all of K
+#define STREAM_BYTES (4 << 20)  // outputs this large (past the L2s) go by non-temporal stores
 
 #if defined(PAGEDLM_AMX) && defined(__AMX_INT8__)
 #define PAGEDLM_AMX_INT8 1
@@ -124,16 +129,70 @@ static inline __attribute__((always_inline)) void block_product(const int8_t* a,
   if (NT > 1) _tile_stored(3, c + 528, 128);
 }
 
+// Where y goes: rows ldy apart, columns scaled by ws[n] (+ bias[n]). With `stream` (outputs
+// past STREAM_BYTES, rows 64-byte aligned) a pair's rows are written with non-temporal stores,
+// which skip reading each line of y before overwriting it.
+typedef struct {
+  void* y;
+  const float* ws;
+  const void* bias;
+  int64_t ldy, N;
+  int bf16, stream;
+} Output;
+
+// 16 of bias (x's dtype) from column n0, zeros past N or without one.
+static inline __m512 bias16(const Output* o, int64_t n0) {
+  if (o->bias == NULL || n0 >= o->N) return _mm512_setzero_ps();
+  const __mmask16 lanes = o->N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (o->N - n0)) - 1);
+  if (o->bf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t*)o->bias + n0);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(lanes, (const float*)o->bias + n0);
+}
+
+// y row m, columns n0 .. n0 + 16 NT - 1 (those below N) = lo, hi.
+static inline void store_pair_row(const Output* o, int64_t m, int64_t n0, __m512 lo, __m512 hi,
+                             const int NT) {
+  const int64_t at = m * o->ldy + n0;
+  if (NT > 1 && o->N - n0 >= 32) {
+    if (o->bf16) {
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits512(lo)),
+                                           bf16_bits512(hi), 1);
+      if (o->stream)
+        _mm512_stream_si512((__m512i*)((uint16_t*)o->y + at), v);
+      else
+        _mm512_storeu_si512((uint16_t*)o->y + at, v);
+    } else if (o->stream) {
+      _mm512_stream_ps((float*)o->y + at, lo);
+      _mm512_stream_ps((float*)o->y + at + 16, hi);
+    } else {
+      _mm512_storeu_ps((float*)o->y + at, lo);
+      _mm512_storeu_ps((float*)o->y + at + 16, hi);
+    }
+    return;
+  }
+  for (int j = 0; j < NT && n0 + 16 * j < o->N; j++) {
+    const int64_t left = o->N - n0 - 16 * j;
+    store16_lanes(o->y, at + 16 * j, j ? hi : lo, o->bf16,
+                  left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1));
+  }
+}
+
 // acc rows 0 .. 31 (32 fp32 columns each) (+)= sum over g < nc of as[i][b + g] * (c[g] -
 // corr[i][b + g]), i = i0 + row (rows of the block): with SUB as written, else as[] * c[g]
-// from -rc[i] (`first`: acc starts there).
-static inline __attribute__((always_inline)) void accumulate(const int32_t* c, int64_t nc,
-                                                             const float* as,
-                                                             const int32_t* corr,
-                                                             const float* rc, int64_t nb,
-                                                             int64_t b, int64_t i0, float* acc,
-                                                             int first, const int SUB,
-                                                             const int NT) {
+// from -rc[i] (`first`: acc starts there). On K's `last` chunk the sums go, scaled, to y rows
+// mb + i below mend, columns from 16 t0, instead of to acc.
+static inline __attribute__((always_inline)) void accumulate(
+    const int32_t* c, int64_t nc, const float* as, const int32_t* corr, const float* rc,
+    int64_t nb, int64_t b, int64_t i0, float* acc, int first, int last, const Output* o,
+    int64_t mb, int64_t mend, int64_t t0, const int SUB, const int NT) {
+  const int64_t n0 = t0 * TILE;
+  __m512 w0 = _mm512_setzero_ps(), w1 = w0, b0 = w0, b1 = w0;
+  if (last) {
+    w0 = _mm512_loadu_ps(o->ws + n0), b0 = bias16(o, n0);
+    if (NT > 1) w1 = _mm512_loadu_ps(o->ws + n0 + 16), b1 = bias16(o, n0 + 16);
+  }
   for (int64_t r = 0; r < 32; r++) {
     const int64_t at = (i0 + r) * nb + b;
     const __m512 start = SUB ? _mm512_setzero_ps() : _mm512_set1_ps(-rc[i0 + r]);
@@ -154,73 +213,60 @@ static inline __attribute__((always_inline)) void accumulate(const int32_t* c, i
         if (NT > 1) hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(row + 16)), s, hi);
       }
     }
-    _mm512_store_ps(acc + 32 * r, lo);
-    if (NT > 1) _mm512_store_ps(acc + 32 * r + 16, hi);
-  }
-}
-
-// y rows m0 .. m0 + rows - 1, columns 16 t .. 16 t + 15 (acc columns `half` * 16 on):
-// ws[n] * acc (+ bias[n]).
-static inline void finish(const float* acc, int half, const float* ws, const void* bias,
-                          void* y, int64_t ldy, int64_t m0, int64_t rows, int64_t t, int64_t N,
-                          int bf16) {
-  const int64_t n0 = t * TILE;
-  const __mmask16 lanes = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
-  const __m512 w = _mm512_loadu_ps(ws + n0);
-  __m512 b = _mm512_setzero_ps();
-  if (bias != NULL && bf16) {
-    const __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t*)bias + n0);
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else if (bias != NULL) {
-    b = _mm512_maskz_loadu_ps(lanes, (const float*)bias + n0);
-  }
-  for (int64_t r = 0; r < rows; r++) {
-    const __m512 out = _mm512_fmadd_ps(_mm512_load_ps(acc + 32 * r + 16 * half), w, b);
-    store16_lanes(y, (m0 + r) * ldy + n0, out, bf16, lanes);
+    if (!last) {
+      _mm512_store_ps(acc + 32 * r, lo);
+      if (NT > 1) _mm512_store_ps(acc + 32 * r + 16, hi);
+    } else if (mb + i0 + r < mend) {
+      store_pair_row(o, mb + i0 + r, n0, _mm512_fmadd_ps(lo, w0, b0), _mm512_fmadd_ps(hi, w1, b1), NT);
+    }
   }
 }
 
 // Rows m0 .. m0 + 31 against weight tiles b0 (and b1): activation blocks b .. b + CHUNK - 1
-// (fewer at K's end) into four int32 C tiles each, then summed into that group's acc.
+// (fewer at K's end) into four int32 C tiles each, then summed into that group's acc (into y
+// after K's last block).
 static inline __attribute__((always_inline)) void group_chunk(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* b0,
-    const uint8_t* b1, int64_t mb, int64_t m0, int64_t b, int64_t nb, int64_t K, int64_t QB,
-    int32_t* c, float* acc, const int NT) {
+    const uint8_t* b1, const Output* o, int64_t mb, int64_t mend, int64_t m0, int64_t t0,
+    int64_t b, int64_t nb, int64_t K, int64_t QB, int32_t* c, float* acc, const int NT) {
   const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
   for (int64_t g = 0; g < nc; g++)
     block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, 0, m0 == mb, NT);
+  float* a = acc + (m0 - mb) * 32;
   if (QB > CHUNK_VALUES)  // per token with the whole weight in L1: int32 sums past 2^24
-    accumulate(c, nc, as, corr, rc, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, 1, NT);
+    accumulate(c, nc, as, corr, rc, nb, b, m0 - mb, a, b == 0, b + nc == nb, o, mb, mend, t0, 1,
+               NT);
   else
-    accumulate(c, nc, as, corr, rc, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, 0, NT);
+    accumulate(c, nc, as, corr, rc, nb, b, m0 - mb, a, b == 0, b + nc == nb, o, mb, mend, t0, 0,
+               NT);
 }
 
 // Where an activation block is longer than a chunk (per token: QB = K), block b of rows mb ..
 // mend - 1 in chunks of CHUNK_VALUES, every 32-row group per chunk; each group's int32 sums
-// wait in `stash` (32 x 32 per group) between chunks and join acc after the block's last.
+// wait in `stash` (32 x 32 per group) between chunks and join acc (or y) after the block's last.
 static inline __attribute__((always_inline)) void long_block(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* b0,
-    const uint8_t* b1, int64_t mb, int64_t mend, int64_t b, int64_t nb, int64_t K, int64_t QB,
-    int32_t* stash, float* acc, const int NT) {
+    const uint8_t* b1, const Output* o, int64_t mb, int64_t mend, int64_t t0, int64_t b,
+    int64_t nb, int64_t K, int64_t QB, int32_t* stash, float* acc, const int NT) {
   for (int64_t k0 = b * QB; k0 < (b + 1) * QB; k0 += CHUNK_VALUES) {
     const int64_t kn = (b + 1) * QB - k0 < CHUNK_VALUES ? (b + 1) * QB - k0 : CHUNK_VALUES;
     for (int64_t m0 = mb; m0 < mend; m0 += 32) {
       int32_t* c = stash + (m0 - mb) * 32;
       block_product(aq + (m0 - mb) * K, b0, b1, k0, kn, c, k0 > b * QB, m0 == mb, NT);
       if (k0 + kn == (b + 1) * QB)
-        accumulate(c, 1, as, corr, rc, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, 1, NT);
+        accumulate(c, 1, as, corr, rc, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, b + 1 == nb,
+                   o, mb, mend, t0, 1, NT);
     }
   }
 }
 
 // One pair of weight tiles (t0, and t0 + 1 when NT == 2) against rows mb .. mend - 1 (a
 // block): K in chunks of CHUNK activation blocks (or of CHUNK_VALUES within longer blocks),
-// every 32-row group per chunk.
+// every 32-row group per chunk; each group's rows of y are written after its last chunk.
 static inline __attribute__((always_inline)) void pair_product(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* qs,
-    const float* ws, const void* bias, void* y, int64_t ldy, int64_t mb, int64_t mend, int64_t t0,
-    int64_t N, int64_t K, int64_t QB, int bf16, int32_t* c, int32_t* stash, float* acc,
-    const int NT) {
+    const Output* o, int64_t mb, int64_t mend, int64_t t0, int64_t K, int64_t QB, int32_t* c,
+    int32_t* stash, float* acc, const int NT) {
   const int64_t nb = K / QB;
   const uint8_t* b0 = qs + t0 * (K / 4) * 64;
   const uint8_t* b1 = b0 + (K / 4) * 64;
@@ -228,19 +274,14 @@ static inline __attribute__((always_inline)) void pair_product(
     // each group's sums stay in L1 too
     for (int64_t m0 = mb; m0 < mend; m0 += 32)
       for (int64_t b = 0; b < nb; b += CHUNK)
-        group_chunk(aq, as, corr, rc, b0, b1, mb, m0, b, nb, K, QB, c, acc, NT);
+        group_chunk(aq, as, corr, rc, b0, b1, o, mb, mend, m0, t0, b, nb, K, QB, c, acc, NT);
   } else if (QB > CHUNK_VALUES) {
     for (int64_t b = 0; b < nb; b++)
-      long_block(aq, as, corr, rc, b0, b1, mb, mend, b, nb, K, QB, stash, acc, NT);
+      long_block(aq, as, corr, rc, b0, b1, o, mb, mend, t0, b, nb, K, QB, stash, acc, NT);
   } else {
     for (int64_t b = 0; b < nb; b += CHUNK)
       for (int64_t m0 = mb; m0 < mend; m0 += 32)
-        group_chunk(aq, as, corr, rc, b0, b1, mb, m0, b, nb, K, QB, c, acc, NT);
-  }
-  for (int64_t m0 = mb; m0 < mend; m0 += 32) {
-    const int64_t rows = mend - m0 < 32 ? mend - m0 : 32;
-    for (int j = 0; j < NT; j++)
-      finish(acc + (m0 - mb) * 32, j, ws, bias, y, ldy, m0, rows, t0 + j, N, bf16);
+        group_chunk(aq, as, corr, rc, b0, b1, o, mb, mend, m0, t0, b, nb, K, QB, c, acc, NT);
   }
 }
 #endif
@@ -273,6 +314,10 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
   int32_t* corr = calloc(rows_per_block * nb, sizeof(int32_t));
   float* rc = calloc(rows_per_block, sizeof(float));
   int ok = aq != NULL && as != NULL && corr != NULL && rc != NULL;
+  const int64_t bytes = bf16 ? 2 : 4;
+  const Output out = {y, ws, bias, ldy, N, bf16,
+                      M * N * bytes >= STREAM_BYTES && (uintptr_t)y % 64 == 0 &&
+                          ldy * bytes % 64 == 0};
   if (ok) {
     memset(aq, 0, rows_per_block * K);
 #pragma omp parallel num_threads(num_threads)
@@ -294,13 +339,12 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
         for (int64_t p = 0; p < (tiles + 1) / 2; p++) {
           if (c == NULL || acc == NULL || stash == NULL) continue;
           if (2 * p + 1 < tiles)
-            pair_product(aq, as, corr, rc, qs, ws, bias, y, ldy, mb, mend, 2 * p, N, K, QB, bf16,
-                         c, stash, acc, 2);
+            pair_product(aq, as, corr, rc, qs, &out, mb, mend, 2 * p, K, QB, c, stash, acc, 2);
           else
-            pair_product(aq, as, corr, rc, qs, ws, bias, y, ldy, mb, mend, 2 * p, N, K, QB, bf16,
-                         c, stash, acc, 1);
+            pair_product(aq, as, corr, rc, qs, &out, mb, mend, 2 * p, K, QB, c, stash, acc, 1);
         }
       }
+      if (out.stream) _mm_sfence();  // the non-temporal stores land before y is read
       if (stash != c) free(stash);
       free(c);
       free(acc);
