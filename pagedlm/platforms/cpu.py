@@ -33,12 +33,11 @@ def usable_cores() -> int:
 
 class CpuPlatform(Platform):
     device_type = "cpu"
-    # MLP rows per chunk, bounding the gate/up output: the default model's 64 x 128 prefill took
-    # 10.6 s (packed GGUF) / 14.6 s (bf16) at 512, 11.3 / 15.0 at 128, 12.2 whole. Since the int8
-    # GEMM writes large outputs by non-temporal stores, 4 x 4096 prompts (max_tokens=1) take,
-    # at 512 / 1024 / whole: int8 1.5B 18.4 / 17.9 / 17.5 s, 3B 35.3 / 32.9 / 34.8 s; bf16 1.5B
-    # 24.0 / 24.1 / 25.1 s; packed Q8_0 0.5B 14.4 / 14.3 / - s (one run each, noise ~3%)
-    dense_chunk_rows = 1024
+    # MLP rows per chunk, so that the gate/up output stays in cache: the default model's 64 x 128
+    # prefill takes 10.6 s (packed GGUF) / 14.6 s (bf16) at 512, 11.3 / 15.0 at 128, 12.2 whole.
+    # 1024 (tried for the int8 GEMM's non-temporal outputs): bf16 `long` at 0.5B 10% slower
+    # (throughput.py, 1517-1535 against 1368-1397 tok/s), int8 `long` within noise at 0.5B/1.5B
+    dense_chunk_rows = 512
 
     def supports_bf16(self) -> bool:
         cpu = torch.cpu
