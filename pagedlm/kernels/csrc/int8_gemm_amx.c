@@ -152,8 +152,8 @@ static inline __m512 bias16(const Output* o, int64_t n0) {
 }
 
 // y row m, columns n0 .. n0 + 16 NT - 1 (those below N) = lo, hi.
-static inline void store_pair_row(const Output* o, int64_t m, int64_t n0, __m512 lo, __m512 hi,
-                             const int NT) {
+static inline void store_pair_row(const Output* o, int64_t m, int64_t n0, __m512 lo,
+                                  __m512 hi, const int NT) {
   const int64_t at = m * o->ldy + n0;
   if (NT > 1 && o->N - n0 >= 32) {
     if (o->bf16) {
@@ -217,7 +217,8 @@ static inline __attribute__((always_inline)) void accumulate(
       _mm512_store_ps(acc + 32 * r, lo);
       if (NT > 1) _mm512_store_ps(acc + 32 * r + 16, hi);
     } else if (mb + i0 + r < mend) {
-      store_pair_row(o, mb + i0 + r, n0, _mm512_fmadd_ps(lo, w0, b0), _mm512_fmadd_ps(hi, w1, b1), NT);
+      store_pair_row(o, mb + i0 + r, n0, _mm512_fmadd_ps(lo, w0, b0),
+                     _mm512_fmadd_ps(hi, w1, b1), NT);
     }
   }
 }
