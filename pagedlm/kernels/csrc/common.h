@@ -205,6 +205,11 @@ static inline void store16(void* base, int64_t offset, __m512 x, int bf16) {
     _mm512_storeu_ps((float*)base + offset, x);
 }
 
+// The first n of 16 lanes (none for n <= 0, all for n >= 16).
+static inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
 // store16 of the lanes in `lanes` only.
 static inline void store16_lanes(void* base, int64_t offset, __m512 x, int bf16, __mmask16 lanes) {
   if (bf16)

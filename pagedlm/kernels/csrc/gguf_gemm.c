@@ -228,8 +228,7 @@ int gguf_gemm(const void* x, const uint8_t* qs, const uint8_t* qh, const void* s
           float bv[NT] = {0};
           if (bias != NULL) load_row(bias, n0, cols, bf16, bv);
           const __m512 bias0 = _mm512_loadu_ps(bv), bias1 = _mm512_loadu_ps(bv + 16);
-          const __mmask16 lanes0 = cols >= 16 ? 0xFFFF : (1u << cols) - 1;
-          const __mmask16 lanes1 = cols >= NT ? 0xFFFF : cols > 16 ? (1u << (cols - 16)) - 1 : 0;
+          const __mmask16 lanes0 = lanes_below(cols), lanes1 = lanes_below(cols - 16);
           // the pair after this one: the next tile, or the first one again for the next block
           const int64_t next = t + 1 < t1 ? t + 1 : b1 < rows ? t0 : -1;
           const int64_t panels = (b1 - b0 + MR_MAX - 1) / MR_MAX;

@@ -143,7 +143,7 @@ typedef struct {
 // 16 of bias (x's dtype) from column n0, zeros past N or without one.
 static inline __m512 bias16(const Output* o, int64_t n0) {
   if (o->bias == NULL || n0 >= o->N) return _mm512_setzero_ps();
-  const __mmask16 lanes = o->N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (o->N - n0)) - 1);
+  const __mmask16 lanes = lanes_below(o->N - n0);
   if (o->bf16) {
     const __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t*)o->bias + n0);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -172,11 +172,8 @@ static inline void store_pair_row(const Output* o, int64_t m, int64_t n0, __m512
     }
     return;
   }
-  for (int j = 0; j < NT && n0 + 16 * j < o->N; j++) {
-    const int64_t left = o->N - n0 - 16 * j;
-    store16_lanes(o->y, at + 16 * j, j ? hi : lo, o->bf16,
-                  left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1));
-  }
+  for (int j = 0; j < NT && n0 + 16 * j < o->N; j++)
+    store16_lanes(o->y, at + 16 * j, j ? hi : lo, o->bf16, lanes_below(o->N - n0 - 16 * j));
 }
 
 // acc rows 0 .. 31 (32 fp32 columns each) (+)= sum over g < nc of as[i][b + g] * (c[g] -
