@@ -33,7 +33,7 @@ static int is_kquant(const QWeight* w) {
 static int alloc_acts(Acts* a, const QWeight* w, int64_t M, int64_t QB) {
   const int64_t subs = w->K / w->group;
   const int64_t slots = (M + MR_MAX - 1) / MR_MAX * MR_MAX;
-  a->q = aligned_alloc(64, ((slots * w->K + 63) / 64) * 64);
+  a->q = alloc_lines(slots * w->K);
   a->d = malloc(sizeof(float) * slots * (w->K / QB));
   a->corr = malloc(sizeof(int32_t) * slots * subs);
   a->sums = w->mins != NULL ? malloc(sizeof(int32_t) * slots * subs) : NULL;
@@ -76,11 +76,11 @@ typedef struct {
 
 static int alloc_scratch(Scratch* s, const QWeight* w) {
   const int64_t subs = w->K / w->group, kq = is_kquant(w);
-  s->quads = aligned_alloc(64, NT * w->K);
-  s->scales = aligned_alloc(64, 4 * NT * subs);
-  s->mins = w->mins != NULL ? aligned_alloc(64, 4 * NT * subs) : NULL;
-  s->sup = kq ? aligned_alloc(64, 4 * NT * (w->K / 256)) : NULL;
-  s->msup = kq && w->mins != NULL ? aligned_alloc(64, 4 * NT * (w->K / 256)) : NULL;
+  s->quads = alloc_lines(NT * w->K);
+  s->scales = alloc_lines(4 * NT * subs);
+  s->mins = w->mins != NULL ? alloc_lines(4 * NT * subs) : NULL;
+  s->sup = kq ? alloc_lines(4 * NT * (w->K / 256)) : NULL;
+  s->msup = kq && w->mins != NULL ? alloc_lines(4 * NT * (w->K / 256)) : NULL;
   return s->quads && s->scales && (w->mins == NULL || s->mins) && (!kq || s->sup) &&
          (!kq || w->mins == NULL || s->msup);
 }

@@ -45,7 +45,7 @@ typedef struct {
 // (free_act is still due).
 static int alloc_act(QAct* a, const QWeight* w, int64_t M) {
   const int64_t subs = w->K / w->group;
-  a->q = aligned_alloc(64, ((M * w->K + 63) / 64) * 64);
+  a->q = alloc_lines(M * w->K);
   a->corr = malloc(sizeof(int32_t) * M * subs);
   a->d = malloc(sizeof(float) * M * subs);
   a->dsum = w->mins != NULL ? malloc(sizeof(float) * M * subs) : NULL;

@@ -307,7 +307,7 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
   if (rows_per_block > (M + 31) / 32 * 32) rows_per_block = (M + 31) / 32 * 32;
   // one block's quants, scales and corrections, reused block by block (the rows of a last,
   // partial 32-row group past M hold zeros or an earlier block's rows: computed, never stored)
-  int8_t* aq = aligned_alloc(64, rows_per_block * K);
+  int8_t* aq = alloc_lines(rows_per_block * K);
   float* as = calloc(rows_per_block * nb, sizeof(float));
   int32_t* corr = calloc(rows_per_block * nb, sizeof(int32_t));
   float* rc = calloc(rows_per_block, sizeof(float));
@@ -321,9 +321,9 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
 #pragma omp parallel num_threads(num_threads)
     {
       amx_configure_full_tiles(8);
-      int32_t* c = aligned_alloc(64, CHUNK * 1024 * sizeof(int32_t));
-      float* acc = aligned_alloc(64, rows_per_block * 32 * sizeof(float));
-      int32_t* stash = QB > CHUNK_VALUES ? aligned_alloc(64, rows_per_block * 32 * 4) : c;
+      int32_t* c = alloc_lines(CHUNK * 1024 * sizeof(int32_t));
+      float* acc = alloc_lines(rows_per_block * 32 * sizeof(float));
+      int32_t* stash = QB > CHUNK_VALUES ? alloc_lines(rows_per_block * 32 * 4) : c;
       if (c == NULL || acc == NULL || stash == NULL) {
 #pragma omp atomic write
         ok = 0;

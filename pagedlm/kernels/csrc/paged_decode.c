@@ -172,7 +172,7 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
 #ifdef PAGEDLM_AMX
     uint16_t* qb = malloc(sizeof(uint16_t) * 16 * head_size * (fuse ? num_kv_heads : 1));
     char* amx_scratch =
-        use_amx ? aligned_alloc(64, amx_values_scratch_bytes(max_piece + 32)) : NULL;
+        use_amx ? alloc_lines(amx_values_scratch_bytes(max_piece + 32)) : NULL;
     if (use_amx && qb != NULL) amx_configure();
     const int ok = qf && acc && scores && row && qb && (amx_scratch || !use_amx);
 #else

@@ -273,16 +273,16 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     const int64_t d = head_size;
     s.rows_cap = rows_cap;
     // acc has one more row of slack: the portable packer's conversion row
-    s.acc = malloc(sizeof(float) * (rows_cap + 1) * d);
-    s.m = malloc(sizeof(float) * rows_cap);
-    s.l = malloc(sizeof(float) * rows_cap * 16);
-    s.alpha = malloc(sizeof(float) * rows_cap);
-    s.p = malloc(sizeof(float) * RB_AMX * KT);  // a block of RB_ROWS or RB_AMX rows
-    s.pb = malloc(sizeof(uint32_t) * RB_AMX * KT / 2);
-    s.kt = malloc(sizeof(float) * d * KT);
-    s.vf = malloc(sizeof(float) * d * KT);
-    s.qf = malloc(sizeof(float) * rows_cap * d);
-    s.qb = malloc(sizeof(uint32_t) * rows_cap * d / 2 + 4);
+    s.acc = alloc_lines(sizeof(float) * (rows_cap + 1) * d);
+    s.m = alloc_lines(sizeof(float) * rows_cap);
+    s.l = alloc_lines(sizeof(float) * rows_cap * 16);
+    s.alpha = alloc_lines(sizeof(float) * rows_cap);
+    s.p = alloc_lines(sizeof(float) * RB_AMX * KT);  // a block of RB_ROWS or RB_AMX rows
+    s.pb = alloc_lines(sizeof(uint32_t) * RB_AMX * KT / 2);
+    s.kt = alloc_lines(sizeof(float) * d * KT);
+    s.vf = alloc_lines(sizeof(float) * d * KT);
+    s.qf = alloc_lines(sizeof(float) * rows_cap * d);
+    s.qb = alloc_lines(sizeof(uint32_t) * rows_cap * d / 2 + 4);
     const int ok = s.acc && s.m && s.l && s.alpha && s.p && s.pb && s.kt && s.vf && s.qf && s.qb;
 #ifdef PAGEDLM_PREFILL_AMX
     if (path == 4) prefill_amx_configure();

@@ -72,7 +72,7 @@ int small_batch_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bia
 #pragma omp parallel num_threads(num_threads)
   {
     amx_configure_full_tiles(6);
-    float* c = aligned_alloc(64, sizeof(float) * 16 * 64);  // [16 rows of W][mpad]
+    float* c = alloc_lines(sizeof(float) * 16 * 64);  // [16 rows of W][mpad]
     if (c == NULL) {
 #pragma omp atomic write
       ok = 0;
