@@ -240,10 +240,14 @@ class Sampler:
     def exponential_race(
         probs: torch.Tensor, generators: dict[int, torch.Generator]
     ) -> torch.Tensor:
-        """argmax(p / q), q ~ Exp(1): a draw from `probs` without a CDF search."""
+        """argmax(p / q), q ~ Exp(1): a draw from `probs` without a CDF search. Unseeded rows
+        take q = -log(U), U ~ U[0, 1): ~5x faster than torch's `exponential_` on the CPU (a
+        scalar loop in double, 16 ns a value: 0.6 s a step at 256 rows of a 152k vocabulary);
+        a U of 0 makes q infinite, which only keeps that token out of that draw. Seeded rows
+        keep `exponential_` on their generator, vLLM's stream for a given seed."""
         q = torch.empty_like(probs)
         if len(generators) != probs.shape[0]:
-            q.exponential_()
+            q.uniform_().log_().neg_()
         for row, generator in generators.items():
             q[row].exponential_(generator=generator)
         return probs.div(q).argmax(-1)
