@@ -1,9 +1,10 @@
-"""Per-layer attention time of the C paged kernels on the default model's shapes (14 query
-heads, 2 KV heads, head size 64, 16-token blocks; bf16, or fp32 as AVX2 machines run it), with
-the achieved GFLOP/s (4 * head_size flops per query-key pair inside the causal mask). Short;
-machine noise applies.
+"""Per-layer attention time of the C paged kernels, by default on the default model's shapes
+(14 query heads, 2 KV heads, head size 64; `--shape` for others), 16-token blocks, bf16 (or
+fp32, as AVX2 machines run it), with the achieved GFLOP/s (4 * head_size flops per query-key
+pair inside the causal mask). Short; machine noise applies.
 
     python benchmarks/attention_micro.py [--contexts 4096 16384] [--chunk 512] [--dtype float32]
+        [--shape 12/2/128]
 
 Rows: a fresh prompt of `context` tokens in one chunk (when it is at most 4096), a `chunk`-token
 prefill chunk after `context` cached tokens, and one decode step at `context`.
@@ -20,13 +21,15 @@ import torch
 from pagedlm.kernels.cpu import cpu_kernels
 from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
 
-HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 14, 2, 64, 16
+BLOCK = 16
 
 
-def paged_cache(tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def paged_cache(
+    tokens: int, kv_heads: int, head_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
     blocks = (tokens + BLOCK - 1) // BLOCK
     table = torch.randperm(blocks).view(1, blocks)
-    k = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_SIZE).to(dtype)
+    k = torch.randn(blocks, BLOCK, kv_heads, head_size).to(dtype)
     return k, torch.randn_like(k), table
 
 
@@ -47,30 +50,36 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--shape",
+        default="14/2/64",
+        help="query heads/KV heads/head size (default: the 0.5B's; 1.5B: 12/2/128, 3B: 16/2/128)",
+    )
     args = parser.parse_args()
+    heads, kv_heads, head_size = (int(x) for x in args.shape.split("/"))
     lib = cpu_kernels()
     if lib is None:
         raise SystemExit("no C compiler: the C kernels are not built")
-    dtype, scale = getattr(torch, args.dtype), HEAD_SIZE**-0.5
+    dtype, scale = getattr(torch, args.dtype), head_size**-0.5
     print(f"{'case':<30}{'ms':>10}{'GFLOP/s':>10}")
     for context in args.contexts:
         cases = [("fresh", context, context)] if context <= 4096 else []
         cases.append(("chunk", args.chunk, context + args.chunk))
         for name, rows, seq_len in cases:
-            k, v, table = paged_cache(seq_len, dtype)
-            q = torch.randn(rows, HEADS, HEAD_SIZE).to(dtype)
+            k, v, table = paged_cache(seq_len, kv_heads, head_size, dtype)
+            q = torch.randn(rows, heads, head_size).to(dtype)
             qsl = torch.tensor([0, rows])
             lens = torch.tensor([seq_len])
             call = partial(paged_prefill_attention, lib, q, k, v, table, qsl, lens, scale, None)
             ms = time_ms(call, args.iters)
             pairs = rows * (seq_len - rows) + rows * (rows + 1) / 2
-            gflops = 4 * HEAD_SIZE * HEADS * pairs / ms / 1e6
+            gflops = 4 * head_size * heads * pairs / ms / 1e6
             print(f"{f'{name} {rows} rows at {seq_len}':<30}{ms:>10.2f}{gflops:>10.0f}")
-        k, v, table = paged_cache(context, dtype)
-        q = torch.randn(1, HEADS, HEAD_SIZE).to(dtype)
+        k, v, table = paged_cache(context, kv_heads, head_size, dtype)
+        q = torch.randn(1, heads, head_size).to(dtype)
         lens = torch.tensor([context])
         ms = time_ms(partial(paged_decode_attention, lib, q, k, v, table, lens, scale, None), 20)
-        gflops = 4 * HEAD_SIZE * HEADS * context / ms / 1e6
+        gflops = 4 * head_size * heads * context / ms / 1e6
         print(f"{f'decode at {context}':<30}{ms:>10.2f}{gflops:>10.0f}")
 
 

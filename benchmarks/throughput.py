@@ -9,8 +9,9 @@ scripts/gguf_to_hf.py). Workloads: `random` (fixed lengths), `mixed` (lengths dr
 distribution), `shared-prefix` (one long system prompt, short unique tails; pagedlm also runs
 with the prefix cache off), `long` (8 prompts x 4096 in / 64 out) and `long-single` (1 prompt x
 16000 in / 32 out); the long workloads fix their own lengths and raise --max-model-len to fit.
-`--kv-cache-dtype fp8` runs pagedlm (and vLLM) with an fp8 KV cache. All requests use greedy
-decoding with ignore_eos, so every backend produces exactly the requested number of tokens.
+`--kv-cache-dtype fp8` runs pagedlm (and vLLM) with an fp8 KV cache. All requests decode
+greedily (`--temperature T` samples at T instead) with ignore_eos, so every backend produces
+exactly the requested number of tokens.
 Backend `pagedlm-gguf` runs the packaged GGUF file itself (`--gguf` for another) with its
 weights kept packed; `pagedlm-int8` the model with quantization="int8"; `pagedlm-w8a8` and
 `vllm-w8a8` its compressed-tensors int8 copy (written once beside it, see common.py). Prints
@@ -81,7 +82,8 @@ def run_llm_api(backend: str, spec: dict, prefix_caching: bool = True) -> dict:
     )
     requests = spec["requests"]
     params = [
-        sampling_params_cls(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests
+        sampling_params_cls(temperature=spec["temperature"], max_tokens=n, ignore_eos=True)
+        for _, n in requests
     ]
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
     # short prompts of other tokens: the timed requests must not hit a warm-up's prefix cache
@@ -105,6 +107,12 @@ def run_transformers(spec: dict) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
     requests = sorted(spec["requests"], key=lambda r: len(r[0]))
+    # temperature alone, as the engines apply it (no top-k 50 from a generation config)
+    sampling_kwargs = (
+        {"temperature": spec["temperature"], "top_k": 0, "top_p": 1.0}
+        if spec["temperature"] > 0
+        else {}
+    )
     best = None
     for batch_size in spec["hf_batch_sizes"]:
         start = time.perf_counter()
@@ -123,7 +131,8 @@ def run_transformers(spec: dict) -> dict:
                     attention_mask=mask,
                     max_new_tokens=new,
                     min_new_tokens=new,
-                    do_sample=False,
+                    do_sample=spec["temperature"] > 0,
+                    **sampling_kwargs,
                     pad_token_id=0,
                 )
         elapsed = time.perf_counter() - start
@@ -253,6 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-batch-sizes", default="32,64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (default 0: greedy); llamacpp runs greedy",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -267,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     model, vocab = model_and_vocab(args)
     requests = make_requests(args, vocab)
     backends = args.backends.split(",")
+    if args.temperature > 0 and "llamacpp" in backends:
+        parser.error("--temperature > 0: the llamacpp backend here samples greedily only")
     if args.workload == "shared-prefix" and "pagedlm" in backends:
         backends.insert(backends.index("pagedlm") + 1, "pagedlm-nocache")
     longest = max(len(p) + n for p, n in requests)
@@ -277,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_seqs": args.max_num_seqs,
         "hf_batch_sizes": [int(b) for b in args.hf_batch_sizes.split(",")],
+        "temperature": args.temperature,
     }
     rounds: dict[str, list[dict]] = {backend: [] for backend in backends}
     for _ in range(args.rounds):  # backends take turns, so a slow spell of the machine hits all

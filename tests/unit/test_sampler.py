@@ -192,6 +192,14 @@ def test_temperature_distribution(temperature: float) -> None:
     assert_distribution(counts, expected)
 
 
+def test_temperature_distribution_without_the_c_sampler(monkeypatch) -> None:
+    """The race against -log(U) that machines without the vectorized C sampler run."""
+    monkeypatch.setattr("pagedlm.layers.sampler.kernels_for", lambda *tensors: None)
+    counts = draw_counts(LOGITS_12, SamplingParams(temperature=0.7))
+    expected = torch.tensor(LOGITS_12, dtype=torch.float64).div(0.7).softmax(0)
+    assert_distribution(counts, expected)
+
+
 def test_distribution_check_has_power() -> None:
     """The checker rejects a temperature-1 sample when told the law is T=0.5 or T=2."""
     counts = draw_counts(LOGITS_12, SamplingParams(temperature=1.0))
