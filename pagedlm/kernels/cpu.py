@@ -2,8 +2,8 @@
 
 - Paged attention (decode and prefill): see `cpu_attention.py`.
 - `argmax_rows`: greedy sampling on bf16/fp32 logits (torch's bf16 argmax is 6x slower);
-  `gumbel_argmax_rows`: random sampling from fp32 logits in one pass (no softmax, no noise
-  tensor: torch's `exponential_` alone is ~16 ns a value).
+  `gumbel_argmax_rows`: random sampling from bf16/fp32 logits in one pass (no softmax, no
+  noise tensor: torch's `exponential_` alone is ~16 ns a value).
 - `rms_norm` (with the residual add), `silu_and_mul`, `rotary_embedding`: one pass over the
   activations instead of several PyTorch element-wise ops.
 - `small_batch_linear`: x W^T for decode batches (<= 64 rows, bf16), streaming the weight from
@@ -192,24 +192,32 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# logits, rows, vocab, seed, out, num_threads
-declare("gumbel_argmax_rows", [_ptr, _i64, _i64, ctypes.c_uint64, _ptr, _int])
+# logits, rows, vocab, bf16, scale (or NULL), seed, out, num_threads
+declare("gumbel_argmax_rows", [_ptr, _i64, _i64, _int, _ptr, ctypes.c_uint64, _ptr, _int])
 declare("gumbel_argmax_vectorized", [], _int)
 
 
-def gumbel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor, seed: int) -> torch.Tensor:
-    """[rows, vocab] fp32 -> [rows] int64: per row a draw from softmax(logits) (the exponential
-    race as a Gumbel-max), its noise a hash of (seed, row, index): see sampling.c."""
+def gumbel_argmax_rows(
+    lib: ctypes.CDLL, logits: torch.Tensor, seed: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[rows, vocab] bf16/fp32 -> [rows] int64: per row a draw from softmax(logits * scale)
+    (scale: [rows] fp32, 1 / temperature; None for 1) by the exponential race as a
+    Gumbel-max, its noise a hash of (seed, row, index): see sampling.c."""
     logits = logits.contiguous()
     if logits.dim() != 2:
         raise ValueError(
             f"gumbel_argmax_rows: logits must be [rows, vocab], got {tuple(logits.shape)}"
         )
-    out = torch.empty(logits.shape[0], dtype=torch.long)
+    rows = logits.shape[0]
+    out = torch.empty(rows, dtype=torch.long)
     lib.gumbel_argmax_rows(
-        checked("gumbel_argmax_rows", "logits", logits, torch.float32),
-        logits.shape[0],
+        checked("gumbel_argmax_rows", "logits", logits, _FLOATS),
+        rows,
         logits.shape[1],
+        is_bf16(logits),
+        None
+        if scale is None
+        else checked("gumbel_argmax_rows", "scale", scale, torch.float32, (rows,)),
         seed,
         out.data_ptr(),
         _threads(),

@@ -18,6 +18,7 @@ With return_sampling_mask, each row also reports its support: the ids still fini
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -114,15 +115,44 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def race_kernels_for(logits: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernel library where its random-row sampler is vectorized (see `exponential_race`)."""
+    lib = kernels_for(logits)
+    return lib if lib is not None and lib.gumbel_argmax_vectorized() else None
+
+
+def step_seed() -> int:
+    """The C sampler's seed for one step, drawn from torch's generator (`torch.manual_seed`
+    and `LLM(seed=...)` fix it)."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.long))
+
+
+def temperature_only_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
+    """Every row random, unseeded and shaped by its temperature alone (vLLM's default
+    `SamplingParams()`): one C pass over the model-dtype logits, without their fp32 copy or
+    the divide. None where that does not hold: `Sampler.sample` then draws them."""
+    if md.generators or md.top_k is not None or md.top_p is not None or md.min_p is not None:
+        return None
+    lib = race_kernels_for(logits)
+    if lib is None or bool((md.temperature == 0.0).any()):
+        return None
+    return gumbel_argmax_rows(lib, logits, step_seed(), 1.0 / md.temperature)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if md.grammar_bitmask is not None:
             # before everything (raw logprobs included, as vLLM): disallowed tokens are -inf
             logits = apply_grammar_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
         fast = not (md.max_num_logprobs is not None or md.modifies_logits)
-        if md.all_greedy and fast and not md.return_sampling_mask:
-            # casting to fp32 keeps order and ties, so the argmax of model-dtype logits is exact
-            return SamplerOutput(greedy_sample(logits), None)
+        if fast and not md.return_sampling_mask:
+            if md.all_greedy:
+                # casting to fp32 keeps order and ties, so the argmax of model-dtype logits
+                # is exact
+                return SamplerOutput(greedy_sample(logits), None)
+            sampled = temperature_only_sample(logits, md)
+            if sampled is not None:
+                return SamplerOutput(sampled, None)
         logits = logits.float()
         sampled, processed = self.sample(self.penalized_logits(logits, md), md)
         lists = None
@@ -250,14 +280,11 @@ class Sampler:
         `exponential_` is a scalar loop of ~16 ns a value, 0.6 s a step at 256 rows of a 152k
         vocabulary."""
         rows = processed.shape[0]
-        lib = kernels_for(processed)
-        if lib is not None and not lib.gumbel_argmax_vectorized():
-            lib = None
+        lib = race_kernels_for(processed)
         if len(generators) == rows:
             out = torch.zeros(rows, dtype=torch.long)
         elif lib is not None:
-            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.long))
-            out = gumbel_argmax_rows(lib, processed, seed)
+            out = gumbel_argmax_rows(lib, processed, step_seed())
         else:  # a U of 0 makes q infinite: that token only sits out the draw
             q = torch.empty_like(processed).uniform_().log_().neg_()
             out = processed.softmax(-1).div(q).argmax(-1)

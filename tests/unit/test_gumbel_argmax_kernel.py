@@ -22,8 +22,8 @@ def mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def reference_scores(logits: torch.Tensor, seed: int) -> np.ndarray:
-    """logits - log(-log U) per element, U as sampling.c draws it, in float64."""
+def reference_scores(logits: torch.Tensor, seed: int, scale: torch.Tensor) -> np.ndarray:
+    """logits * scale - log(-log U) per element, U as sampling.c draws it, in float64."""
     rows, vocab = logits.shape
     with np.errstate(over="ignore"):
         keys = mix64(np.uint64(seed) + (np.arange(1, rows + 1, dtype=np.uint64) * GAMMA))
@@ -32,15 +32,18 @@ def reference_scores(logits: torch.Tensor, seed: int) -> np.ndarray:
     odd = (np.arange(vocab) % 2).astype(bool)[None, :]
     half = np.where(odd, z >> np.uint64(32), z & np.uint64(0xFFFFFFFF))
     u = ((half >> np.uint64(8)).astype(np.float64) + 0.5) * 2.0**-24
-    return logits.double().numpy() - np.log(-np.log(u))
+    return (logits.double() * scale.double()[:, None]).numpy() - np.log(-np.log(u))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [16, 1000, 37])  # vector body only, body + tail, mostly tail
-def test_matches_the_reference_hash(vocab: int) -> None:
-    logits = torch.randn(41, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+def test_matches_the_reference_hash(vocab: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(41, vocab, generator=gen) * 3).to(dtype)
+    scale = torch.rand(41, generator=gen) + 0.5  # 1 / temperature per row
     seed = 0x1234_5678_9ABC_DEF0
-    scores = reference_scores(logits, seed)
-    got = gumbel_argmax_rows(lib, logits, seed).numpy()
+    scores = reference_scores(logits, seed, scale)
+    got = gumbel_argmax_rows(lib, logits, seed, scale).numpy()
     top2 = np.sort(scores, axis=1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 1e-4  # the C logs are ~1e-7 off: skip near-ties
     assert clear.sum() > 35

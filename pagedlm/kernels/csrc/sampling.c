@@ -40,8 +40,9 @@ void argmax_rows(const void* logits, int64_t num_rows, int64_t vocab, int bf16,
 }
 
 // ---------------------------------------------------------------- random rows
-// The exponential race argmax(p / E), E ~ Exp(1), as its Gumbel-max form: the first index of
-// the max over j of logits[r][j] - log(E), E = -log(U). U comes from a counter hash of (seed,
+// The exponential race argmax(p / E), E ~ Exp(1), p = softmax(logits[r] * scale[r]), as its
+// Gumbel-max form: the first index of the max over j of logits[r][j] * scale[r] - log(E),
+// E = -log(U) (scale: 1 / temperature, or NULL for 1). U comes from a counter hash of (seed,
 // r, j) (SplitMix64: two 24-bit uniforms per 64-bit output, (k + 0.5) / 2^24, never 0 or 1),
 // so a row's draw depends on the seed, its index and its logits only, and any thread order
 // gives the same tokens. -inf (and NaN) logits never win; a row with no finite logit gets 0.
@@ -108,11 +109,11 @@ int gumbel_argmax_vectorized(void) {
 #endif
 }
 
-void gumbel_argmax_rows(const float* logits, int64_t num_rows, int64_t vocab, uint64_t seed,
-                        int64_t* out, int num_threads) {
+void gumbel_argmax_rows(const void* logits, int64_t num_rows, int64_t vocab, int bf16,
+                        const float* scale, uint64_t seed, int64_t* out, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t r = 0; r < num_rows; r++) {
-    const float* row = logits + r * vocab;
+    const float sc = scale != NULL ? scale[r] : 1.f;
     const uint64_t key = mix64(seed + (uint64_t)(r + 1) * GOLDEN_GAMMA);
     float best = -INFINITY;
     int64_t best_j = 0, j = 0;
@@ -133,7 +134,8 @@ void gumbel_argmax_rows(const float* logits, int64_t num_rows, int64_t vocab, ui
       const __m512 u = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0x1p-24f),
                                        _mm512_set1_ps(0x1p-25f));
       const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log_512(u));  // Exp(1), > 0
-      const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(row + j), log_512(e));
+      const __m512 l = _mm512_mul_ps(load16(logits, r * vocab + j, bf16), _mm512_set1_ps(sc));
+      const __m512 v = _mm512_sub_ps(l, log_512(e));
       const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);  // first max per lane
       vbest = _mm512_mask_mov_ps(vbest, gt, v);
       vidx = _mm512_mask_mov_epi32(vidx, gt, _mm512_add_epi32(lane, _mm512_set1_epi32((int)j)));
@@ -147,7 +149,9 @@ void gumbel_argmax_rows(const float* logits, int64_t num_rows, int64_t vocab, ui
         best = vb[l], best_j = vi[l];
 #endif
     for (; j < vocab; j++) {
-      const float v = row[j] - logf(-logf(uniform_at(key, j)));
+      float l;
+      load_row(logits, r * vocab + j, 1, bf16, &l);
+      const float v = l * sc - logf(-logf(uniform_at(key, j)));
       if (v > best) best = v, best_j = j;
     }
     out[r] = best_j;
