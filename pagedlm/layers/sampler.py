@@ -6,7 +6,9 @@
 3. penalties: repetition (prompt + output), frequency and presence (output);
 4. greedy rows take the argmax; random rows: temperature, min_p, top-k, top-p, then an
    exponential race (argmax of p / Exp(1) noise), drawn from a per-request generator for seeded
-   requests so their tokens do not depend on the rest of the batch.
+   requests so their tokens do not depend on the rest of the batch, and for the others in one
+   C pass over the logits (`gumbel_argmax_rows`; straight from the model-dtype logits when
+   temperature is all that shapes the batch: `temperature_only_sample`).
 
 `logprobs_mode` "processed_logits" / "processed_logprobs" report the logits the token was
 drawn from (after steps 2-4; -inf where masked), or their log_softmax, as vLLM does: when every
