@@ -284,14 +284,14 @@ class Sampler:
         rows = processed.shape[0]
         lib = race_kernels_for(processed)
         if len(generators) == rows:
-            out = torch.zeros(rows, dtype=torch.long)
+            out = torch.zeros(rows, dtype=torch.long, device=processed.device)
         elif lib is not None:
             out = gumbel_argmax_rows(lib, processed, step_seed())
         else:  # a U of 0 makes q infinite: that token only sits out the draw
             q = torch.empty_like(processed).uniform_().log_().neg_()
             out = processed.softmax(-1).div(q).argmax(-1)
         for row, generator in generators.items():
-            q = torch.empty(processed.shape[1]).exponential_(generator=generator)
+            q = torch.empty_like(processed[row]).exponential_(generator=generator)
             out[row] = processed[row].softmax(-1).div(q).argmax()
         return out
 
