@@ -390,6 +390,24 @@ def test_greedy_rows_mixed_with_random_rows() -> None:
     assert differs > 0  # the random rows really sample
 
 
+def test_seeded_rows_draw_vllms_stream() -> None:
+    """A seeded row's token is argmax(softmax / q), q = exponential_ on its own generator, as
+    vLLM's sampler draws it (so a seed gives vLLM's tokens on the same logits), whatever the
+    unseeded rows beside it use."""
+    vocab = 3000
+    requests = [
+        make_request(SamplingParams(temperature=0.7, seed=5), request_id="s"),
+        make_request(SamplingParams(temperature=0.7), request_id="u"),
+    ]
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(3)) * 4
+    stream = torch.Generator().manual_seed(5)  # the request's generator, step after step
+    for _ in range(5):
+        got = Sampler()(logits, build(requests, vocab)).sampled_token_ids
+        q = torch.empty(vocab).exponential_(generator=stream)
+        assert got[0] == (logits[0] / 0.7).softmax(-1).div(q).argmax()
+        logits = logits.roll(7, dims=1)
+
+
 def _step_logits(step: int, vocab: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(vocab, generator=g) * 1.5
