@@ -89,7 +89,9 @@ def run_llm_api(backend: str, spec: dict, prefix_caching: bool = True) -> dict:
     # short prompts of other tokens: the timed requests must not hit a warm-up's prefix cache
     warm = [{"prompt_token_ids": p["prompt_token_ids"][:32][::-1]} for p in prompts[:2]]
     llm.generate(
-        warm, [sampling_params_cls(temperature=0.0, max_tokens=4)] * len(warm), use_tqdm=False
+        warm,
+        [sampling_params_cls(temperature=spec["temperature"], max_tokens=4)] * len(warm),
+        use_tqdm=False,
     )  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -107,12 +109,11 @@ def run_transformers(spec: dict) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
     requests = sorted(spec["requests"], key=lambda r: len(r[0]))
-    # temperature alone, as the engines apply it (no top-k 50 from a generation config)
-    sampling_kwargs = (
-        {"temperature": spec["temperature"], "top_k": 0, "top_p": 1.0}
-        if spec["temperature"] > 0
-        else {}
-    )
+    # temperature alone, as the engines apply it: no top-k 50 or repetition penalty from the
+    # model's generation config
+    sampling_kwargs = {"repetition_penalty": 1.0}
+    if spec["temperature"] > 0:
+        sampling_kwargs.update(temperature=spec["temperature"], top_k=0, top_p=1.0)
     best = None
     for batch_size in spec["hf_batch_sizes"]:
         start = time.perf_counter()

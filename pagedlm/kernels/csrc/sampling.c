@@ -43,7 +43,8 @@ void argmax_rows(const void* logits, int64_t num_rows, int64_t vocab, int bf16,
 // The exponential race argmax(p / E), E ~ Exp(1), p = softmax(logits[r] * scale[r]), as its
 // Gumbel-max form: the first index of the max over j of logits[r][j] * scale[r] - log(E),
 // E = -log(U) (scale: 1 / temperature, or NULL for 1). U comes from a counter hash of (seed,
-// r, j) (SplitMix64: two 24-bit uniforms per 64-bit output, (k + 0.5) / 2^24, never 0 or 1),
+// r, j) (SplitMix64: two 23-bit uniforms per 64-bit output, (k + 0.5) / 2^23, exact in fp32,
+// so never 0 or 1: 24 bits would round the top one to 1, E to 0, and its token would win),
 // so a row's draw depends on the seed, its index and its logits only, and any thread order
 // gives the same tokens. -inf (and NaN) logits never win; a row with no finite logit gets 0.
 // The AVX-512 path computes the logs by a polynomial (~1e-7 relative), the portable one by
@@ -58,11 +59,11 @@ static inline uint64_t mix64(uint64_t z) {
 }
 
 // U of element j of the row whose key is `key`: the low (even j) or high (odd j) 32 bits of
-// mix64(key + (j / 2 + 1) * GOLDEN_GAMMA), top 24 bits.
+// mix64(key + (j / 2 + 1) * GOLDEN_GAMMA), top 23 bits.
 static inline float uniform_at(uint64_t key, int64_t j) {
   const uint64_t z = mix64(key + (uint64_t)(j / 2 + 1) * GOLDEN_GAMMA);
   const uint32_t half = j % 2 ? (uint32_t)(z >> 32) : (uint32_t)z;
-  return ((float)(half >> 8) + 0.5f) * 0x1p-24f;
+  return ((float)(half >> 9) + 0.5f) * 0x1p-23f;
 }
 
 #if defined(PAGEDLM_AVX512) && defined(__AVX512DQ__)
@@ -129,10 +130,10 @@ void gumbel_argmax_rows(const void* logits, int64_t num_rows, int64_t vocab, int
         _mm512_mullo_epi64(_mm512_setr_epi64(1, 2, 3, 4, 5, 6, 7, 8),
                            _mm512_set1_epi64((long long)GOLDEN_GAMMA)));
     for (; j + 16 <= vocab; j += 16) {
-      const __m512i bits = _mm512_srli_epi32(mix64_512(ctr), 8);
+      const __m512i bits = _mm512_srli_epi32(mix64_512(ctr), 9);
       ctr = _mm512_add_epi64(ctr, step);
-      const __m512 u = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0x1p-24f),
-                                       _mm512_set1_ps(0x1p-25f));
+      const __m512 u = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0x1p-23f),
+                                       _mm512_set1_ps(0x1p-24f));
       const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log_512(u));  // Exp(1), > 0
       const __m512 l = _mm512_mul_ps(load16(logits, r * vocab + j, bf16), _mm512_set1_ps(sc));
       const __m512 v = _mm512_sub_ps(l, log_512(e));
