@@ -51,10 +51,16 @@ void argmax_rows(const void* logits, int64_t num_rows, int64_t vocab, int bf16,
 // logf: the two differ only where two candidates tie to within that.
 
 #define GOLDEN_GAMMA 0x9E3779B97F4A7C15ull
+#define MIX64_M1 0xBF58476D1CE4E5B9ull  // SplitMix64's finalizer multipliers
+#define MIX64_M2 0x94D049BB133111EBull
+
+#if defined(PAGEDLM_AVX512) && defined(__AVX512DQ__)
+#define PAGEDLM_GUMBEL_AVX512 1  // 64-bit lane products (AVX-512 DQ) for the hash
+#endif
 
 static inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z = (z ^ (z >> 30)) * MIX64_M1;
+  z = (z ^ (z >> 27)) * MIX64_M2;
   return z ^ (z >> 31);
 }
 
@@ -66,7 +72,7 @@ static inline float uniform_at(uint64_t key, int64_t j) {
   return ((float)(half >> 9) + 0.5f) * 0x1p-23f;
 }
 
-#if defined(PAGEDLM_AVX512) && defined(__AVX512DQ__)
+#ifdef PAGEDLM_GUMBEL_AVX512
 // log(x) for positive normal x: x = m 2^k, m in [sqrt(1/2), sqrt(2)), and Cephes' logf
 // polynomial in m - 1.
 static inline __m512 log_512(__m512 x) {
@@ -93,9 +99,9 @@ static inline __m512 log_512(__m512 x) {
 
 static inline __m512i mix64_512(__m512i z) {
   z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)),
-                         _mm512_set1_epi64((long long)0xBF58476D1CE4E5B9ull));
+                         _mm512_set1_epi64((long long)MIX64_M1));
   z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)),
-                         _mm512_set1_epi64((long long)0x94D049BB133111EBull));
+                         _mm512_set1_epi64((long long)MIX64_M2));
   return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
 }
 #endif
@@ -103,7 +109,7 @@ static inline __m512i mix64_512(__m512i z) {
 // 1 where the vector path is built; elsewhere each value costs a scalar hash and two logf
 // calls, slower than torch's uniform_ and log, which the sampler then uses instead.
 int gumbel_argmax_vectorized(void) {
-#if defined(PAGEDLM_AVX512) && defined(__AVX512DQ__)
+#ifdef PAGEDLM_GUMBEL_AVX512
   return 1;
 #else
   return 0;
@@ -118,7 +124,7 @@ void gumbel_argmax_rows(const void* logits, int64_t num_rows, int64_t vocab, int
     const uint64_t key = mix64(seed + (uint64_t)(r + 1) * GOLDEN_GAMMA);
     float best = -INFINITY;
     int64_t best_j = 0, j = 0;
-#if defined(PAGEDLM_AVX512) && defined(__AVX512DQ__)
+#ifdef PAGEDLM_GUMBEL_AVX512
     // lane l of 8 64-bit counters: element pair j / 2 + l; as 16 32-bit lanes they are the
     // uniforms of elements j .. j + 15 in order (low half first)
     __m512 vbest = _mm512_set1_ps(-INFINITY);
