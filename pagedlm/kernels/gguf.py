@@ -110,17 +110,19 @@ def _matmul_args(
     w: PackedGGUFWeight,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
+    y_cols: int | None = None,
 ) -> tuple[torch.Tensor, tuple, tuple]:
     """(y, the checked pointer arguments both kernels take first: x, qs, qh, scales, mins,
     super_scales, super_mins, bias, y; then ldy, M, N, K, bits, group, offset, scale kind,
-    bf16). `out`: y given, [M, N] with contiguous rows (e.g. columns of a wider tensor)."""
+    bf16). `out`: y given, [M, N] with contiguous rows (e.g. columns of a wider tensor).
+    `y_cols`: y's columns where they are not N (a fused activation's output)."""
     n, k = w.shape
     x = x.contiguous()
     m = x.shape[0]
     if out is None:
-        y = x.new_empty(m, n)
+        y = x.new_empty(m, y_cols or n)
     else:
-        checked(fn, "out", out, x.dtype, (m, n), rows_strided=True)
+        checked(fn, "out", out, x.dtype, (m, y_cols or n), rows_strided=True)
         y = out
     pointers = (
         checked(fn, "x", x, _FLOATS, (m, k)),
@@ -179,8 +181,9 @@ declare("gguf_gemm", [_ptr] * 9 + [_i64] * 5 + [_int] * 6, _int)
 
 
 declare("int8_gemm_amx_supported", [], _int)
-# x, qs, channel scales, bias, y, ldy, M, N, K, act_block, bf16, num_threads -> 1 if computed
-declare("int8_gemm_amx", [_ptr] * 5 + [_i64] * 5 + [_int] * 2, _int)
+# x, qs, channel scales, bias, y, ldy, M, N, K, act_block, bf16, silu_and_mul, num_threads -> 1
+# if computed
+declare("int8_gemm_amx", [_ptr] * 5 + [_i64] * 5 + [_int] * 3, _int)
 
 
 def amx_act_block(k: int, block: int | None = 128) -> int:
@@ -207,11 +210,17 @@ def gemm_args(
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
     amx: bool | None = None,
+    silu_and_mul: bool = False,
 ) -> tuple[torch.Tensor, str, tuple]:
     """(y, the C function, its whole checked argument tuple) of the batched product, as
     `gemv_args`: `int8_gemm_amx` for per-channel int8 weights where AMX-INT8 runs (`amx`:
-    None = where it runs, False = never; tests), else `gguf_gemm`."""
-    y, pointers, (ldy, m, n, k, *layout) = _matmul_args("gguf_gemm", x, w, bias, out)
+    None = where it runs, False = never; tests), else `gguf_gemm`. `silu_and_mul`: y is
+    silu(gate) * up of W's rows [gate | up], [M, N / 2], on `int8_gemm_amx` only."""
+    n = w.shape[0]
+    if silu_and_mul and (amx is False or not fuses_silu_and_mul(w)):
+        raise ValueError(f"gemm_args: silu_and_mul needs int8_gemm_amx and N % 64 == 0 (N={n})")
+    y_cols = n // 2 if silu_and_mul else None
+    y, pointers, (ldy, m, n, k, *layout) = _matmul_args("gguf_gemm", x, w, bias, out, y_cols)
     threads = torch.get_num_threads()
     if _takes_amx(w, amx):
         tiles = w.qs.shape[0]
@@ -221,8 +230,31 @@ def gemm_args(
         x_ptr, qs, *_, bias_ptr, y_ptr = pointers
         bf16 = layout[-1]
         qb = amx_act_block(k, w.activation_block)
-        return y, "int8_gemm_amx", (x_ptr, qs, ws, bias_ptr, y_ptr, ldy, m, n, k, qb, bf16, threads)
+        sizes = (ldy, m, n, k, qb, bf16, int(silu_and_mul), threads)
+        return y, "int8_gemm_amx", (x_ptr, qs, ws, bias_ptr, y_ptr, *sizes)
     return y, "gguf_gemm", (*pointers, ldy, m, n, k, w.gemm_act_block, *layout, threads)
+
+
+def fuses_silu_and_mul(w: PackedGGUFWeight) -> bool:
+    """Whether `int8_gemm_amx` computes silu(gate) * up of w's rows [gate | up] in one pass
+    (per-channel int8 on AMX-INT8, halves of whole 32-column pairs)."""
+    return w.shape[0] % 64 == 0 and _takes_amx(w, None)
+
+
+def int8_gemm_silu_and_mul(
+    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """silu(gate) * up of x W^T (+ bias), W's rows [gate | up], by one `int8_gemm_amx` pass
+    that never writes the product: [M, N / 2] in x's dtype, bit for bit `silu_and_mul` of
+    `gguf_gemm`'s y. None where that kernel does not take w (no AMX-INT8, weights not int8
+    per channel, N not a multiple of 64)."""
+    lib = cpu_kernels()
+    if lib is None or not fuses_silu_and_mul(w):
+        return None
+    y, fn, args = gemm_args(x, w, bias, silu_and_mul=True)
+    if not getattr(lib, fn)(*args):
+        raise MemoryError(f"{fn}: out of memory")
+    return y
 
 
 def gguf_gemm(

@@ -193,6 +193,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def shard_ids(self) -> tuple[object, ...]:
         return tuple(range(len(self.output_sizes)))
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of [gate | up] = this layer's output, where its method computes it
+        in one pass (`apply_silu_and_mul`: int8 on AMX); None elsewhere, and while forward
+        hooks (LoRA) read the layer's output."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            return None
+        if self._forward_hooks:
+            return None
+        return self.quant_method.apply_silu_and_mul(self, x, self.bias)
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedlm.layers.activation import get_act_and_mul
+from pagedlm.layers.activation import SiluAndMul, get_act_and_mul
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.layernorm import RMSNorm
 from pagedlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -63,8 +63,16 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chunk = current_platform.dense_chunk_rows
         if chunk is None or x.shape[0] <= chunk:
-            return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+            return self.down_proj(self._gate_up_act(x))
         return torch.cat([self.forward(rows) for rows in x.split(chunk)])
+
+    def _gate_up_act(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, in one pass where gate_up's method has one for SiLU."""
+        if isinstance(self.act_fn, SiluAndMul):
+            y = self.gate_up_proj.silu_and_mul(x)
+            if y is not None:
+                return y
+        return self.act_fn(self.gate_up_proj(x))
 
 
 class LlamaAttention(nn.Module):

@@ -255,6 +255,24 @@ class LlamaDecodePlan:
                 fn = getattr(lib, name)
             self.calls.append((fn, args, _OK_NONZERO))
 
+    def _gate_up_act(self, lib, gate_up: nn.Module) -> None:
+        """act = silu(gate) * up of h: one `int8_gemm_amx` pass where gate_up is one int8
+        weight that the GEMM takes at these rows (as LlamaMLP computes it), else gate_up's
+        product, then silu_and_mul."""
+        (group, *rest) = gate_up.__dict__.get("packed_groups") or [None]
+        packed = None if group is None or rest else group.packed
+        if packed is not None and not takes_gemv(self.rows) and kg.fuses_silu_and_mul(packed):
+            bias = gate_up.bias
+            if bias is not None:
+                bias = bias.to(self.dtype)
+                self._biases.append(bias)
+            _, name, args = kg.gemm_args(self.h, packed, bias, out=self.act, silu_and_mul=True)
+            self.calls.append((getattr(lib, name), args, _OK_NONZERO))
+            return
+        self._linear(lib, gate_up, self.h, self.gate_up)
+        args = kc.silu_and_mul_args(self.gate_up, self.act)
+        self.calls.append((lib.silu_and_mul, args, _OK_NONZERO))
+
     def _layer(self, lib, layer: LlamaDecoderLayer, first_layer: bool) -> None:
         attn, mlp, rows = layer.self_attn, layer.mlp, self.rows
         if first_layer:  # the embedding is in `residual`: norm it alone (residual stays)
@@ -295,9 +313,7 @@ class LlamaDecodePlan:
         self.calls.append((lib.paged_decode_attention, args, _OK_ZERO))
         self._linear(lib, attn.o_proj, self.attn_out, self.o)
         self._norm(lib, layer.post_attention_layernorm, self.o, self.residual, self.h)
-        self._linear(lib, mlp.gate_up_proj, self.h, self.gate_up)
-        args = kc.silu_and_mul_args(self.gate_up, self.act)
-        self.calls.append((lib.silu_and_mul, args, _OK_NONZERO))
+        self._gate_up_act(lib, mlp.gate_up_proj)
         self._linear(lib, mlp.down_proj, self.act, self.x)
 
     # ---------------------------------------------------------------------------- running

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagedlm.kernels import gguf as kg
-from pagedlm.kernels.cpu import cpu_kernels
+from pagedlm.kernels.cpu import cpu_kernels, silu_and_mul
 from pagedlm.kernels.gguf_pack import dequantize_packed, pack_q8, quantize_activations
 from pagedlm.layers.quantization.int8 import quantize_per_channel
 
@@ -172,3 +173,35 @@ def test_amx_gemm_outputs_past_the_l2s(m, n, dtype, columns) -> None:
         got = out[:, columns[0] : columns[1]]
     assert got.numel() * got.element_size() >= 4 << 20
     _check(got, q, scale, x, bias, kg.amx_act_block(128), True)
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "bias"),
+    [
+        (37, 128, 896, None, True),  # per token, the pair's weight in L1 (rows outer)
+        (70, 192, 1344, None, False),  # per token in 512-value chunks
+        (45, 64, 512, 128, True),  # per 128
+        (1500, 2048, 256, 128, False),  # several row blocks; y past 4 MiB: streamed
+    ],
+)
+def test_amx_gemm_fuses_silu_and_mul(m, n, k, block, bias, dtype) -> None:
+    """The fused form is bit for bit the GEMM's y ([gate | up]) through silu_and_mul: each
+    gate pair's sums, rounded as y would be, wait for the up pair N / 2 columns on."""
+    packed, q, scale, x, b = _case(m, n, k, dtype)
+    packed = pack_q8(q, scale, activation_block=block)
+    b = b if bias else None
+    y = kg.gguf_gemm(x, packed, b)
+    got = kg.int8_gemm_silu_and_mul(x, packed, b)
+    assert got.shape == (m, n // 2) and torch.equal(got, silu_and_mul(cpu_kernels(), y))
+    gate, up = y.float().chunk(2, dim=-1)  # and that is silu(gate) * up
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=2**-7, atol=1e-5)
+
+
+@needs_amx
+def test_amx_gemm_refuses_to_fuse_odd_halves() -> None:
+    packed, _, _, x, _ = _case(9, 96, 128, torch.float32)  # halves of 48: not whole pairs
+    assert kg.int8_gemm_silu_and_mul(x, packed, None) is None
+    with pytest.raises(ValueError, match="silu_and_mul needs"):
+        kg.gemm_args(x, packed, None, silu_and_mul=True)

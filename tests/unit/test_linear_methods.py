@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedlm.kernels.cpu import cpu_kernels
 from pagedlm.kernels.gguf_pack import dequantize_packed, quantize_activations
 from pagedlm.kernels.gguf_quants import dequantize
 from pagedlm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
@@ -22,6 +23,7 @@ from pagedlm.layers.quantization.int8 import (
     Int8LinearMethod,
     quantize_per_channel,
 )
+from pagedlm.models.llama import LlamaMLP
 from tests.unit.test_gguf_matmul import _raw
 
 T = GGMLQuantizationType
@@ -183,6 +185,32 @@ def test_int8_layer_is_quantized_when_its_last_shard_loads(fused) -> None:
         dequantize_packed(group.packed), q.float() * scale[:, None], atol=0, rtol=0
     )
     assert group.packed.activation_block == (None if fused == "gate_up" else 128)
+
+
+@pytest.mark.skipif(
+    cpu_kernels() is None or not cpu_kernels().int8_gemm_amx_supported(), reason="no AMX-INT8"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_mlp_computes_silu_and_mul_with_gate_up(dtype) -> None:
+    """Prefill rows of an int8 MLP take gate_up's fused pass (the same bits as gate_up, then
+    SiluAndMul); decode-sized batches and a layer under a forward hook (LoRA) do not."""
+    with set_quantization("int8"), torch.device("cpu"):
+        torch.set_default_dtype(dtype)
+        try:
+            mlp = LlamaMLP(128, 64, "silu", bias=False)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    gate_up = mlp.gate_up_proj
+    gate_up.weight.weight_loader(gate_up.weight, torch.randn(64, 128), 0)
+    gate_up.weight.weight_loader(gate_up.weight, torch.randn(64, 128), 1)
+    x = torch.randn(40, 128).to(dtype)
+    fused = gate_up.silu_and_mul(x)
+    assert fused is not None and torch.equal(fused, mlp.act_fn(gate_up(x)))
+    assert torch.equal(mlp._gate_up_act(x), fused)
+    assert gate_up.silu_and_mul(x[:2]) is None  # the GEMV's batches
+    handle = gate_up.register_forward_hook(lambda module, args, out: out)
+    assert gate_up.silu_and_mul(x) is None
+    handle.remove()
 
 
 def test_int8_off_the_kernel_shapes_keeps_the_dequantized_weight() -> None:

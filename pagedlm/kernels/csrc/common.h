@@ -203,6 +203,15 @@ static inline __m512 round512_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits512(x)), 16));
 }
 
+// silu(g) * u on 16 lanes, the silu rounded to bf16 first where the tensors are bf16 (as
+// PyTorch's bf16 silu then mul): silu_and_mul, and int8_gemm_amx's fused form of it.
+static inline __m512 silu_mul512(__m512 g, __m512 u, int bf16) {
+  const __m512 e = exp2_512(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)));
+  __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  if (bf16) s = round512_bf16(s);
+  return _mm512_mul_ps(s, u);
+}
+
 // Store 16 lanes as bf16 (rounded) or fp32.
 static inline void store16(void* base, int64_t offset, __m512 x, int bf16) {
   if (bf16)

@@ -109,13 +109,9 @@ int silu_and_mul(const void* x, void* out, int64_t rows, int64_t d, int bf16, in
       if (!have) continue;
       int64_t i = 0;
 #ifdef PAGEDLM_AVX512
-      const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= d; i += 16) {
-        const __m512 g = load16(x, r * 2 * d + i, bf16);
-        const __m512 e = exp2_512(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)));
-        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
-        if (bf16) s = round512_bf16(s);
-        store16(out, r * d + i, _mm512_mul_ps(s, load16(x, r * 2 * d + d + i, bf16)), bf16);
+        const __m512 g = load16(x, r * 2 * d + i, bf16), u = load16(x, r * 2 * d + d + i, bf16);
+        store16(out, r * d + i, silu_mul512(g, u, bf16), bf16);
       }
 #endif
       const int64_t n = d - i;

@@ -29,6 +29,13 @@ class LinearMethodBase:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """silu(gate) * up of `apply`'s [gate | up] in one pass, or None where this method
+        has no such pass (the caller then runs `apply` and the activation)."""
+        return None
+
 
 def create_dense_weight(layer: nn.Module, allocate: Callable = torch.empty) -> None:
     """`layer.weight`: an [output_size, input_size] parameter loaded by `layer.weight_loader`,

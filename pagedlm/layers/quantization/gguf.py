@@ -176,6 +176,20 @@ class PackedLinearMethod(LinearMethodBase):
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Prefill-sized batches of one packed int8 weight on AMX-INT8: the GEMM applies the
+        activation to each row of its sums, so the [M, 2 * d] product is never written."""
+        (g, *rest) = layer.packed_groups
+        if rest or g.packed is None or takes_gemv(x.shape[0]):
+            return None
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        b = None if bias is None else bias.to(x.dtype)
+        y = gguf_kernels.int8_gemm_silu_and_mul(x.reshape(-1, x.shape[-1]), g.packed, b)
+        return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
+
 
 class GGUFLinearMethod(PackedLinearMethod):
     def create_weights(self, layer: nn.Module) -> None:
