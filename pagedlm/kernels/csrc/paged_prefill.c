@@ -118,10 +118,10 @@ static inline __attribute__((always_inline)) void attend_tile(const Args* a, Scr
           jlo = klo > t0 ? klo - t0 : 0;
           jhi = qpos - t0 < KT - 1 ? qpos - t0 : KT - 1;
         }
-        float* pr = s->p + (r - rb) * KT;
+        float* pr = s->p + (r - rb) * KP;
 #ifdef PAGEDLM_PREFILL_BF16
         if (BF16) {
-          uint16_t* pbr = (uint16_t*)(s->pb + (r - rb) * (KT / 2));
+          uint16_t* pbr = (uint16_t*)(s->pb + (r - rb) * (PBP / 2));
           softmax_row_bf16(s, pr, pbr, r, jlo, jhi, kb, scale);
           continue;
         }
@@ -281,9 +281,9 @@ int paged_prefill_attention(const void* q, int64_t q_stride, const void* k_cache
     s.m = alloc_lines(sizeof(float) * rows_cap);
     s.l = alloc_lines(sizeof(float) * rows_cap * 16);
     s.alpha = alloc_lines(sizeof(float) * rows_cap);
-    s.p = alloc_lines(sizeof(float) * RB_AMX * KT);  // a block of RB_ROWS or RB_AMX rows
-    s.pb = alloc_lines(sizeof(uint32_t) * RB_AMX * KT / 2);
-    s.kt = alloc_lines(sizeof(float) * d * KT);
+    s.p = alloc_lines(sizeof(float) * RB_AMX * KP);  // a block of RB_ROWS or RB_AMX rows
+    s.pb = alloc_lines(sizeof(uint32_t) * RB_AMX * PBP / 2);
+    s.kt = alloc_lines(sizeof(float) * d * KP);
     s.vf = alloc_lines(sizeof(float) * d * KT);
     s.qf = alloc_lines(sizeof(float) * rows_cap * d);
     s.qb = alloc_lines(sizeof(uint32_t) * rows_cap * d / 2 + 4);

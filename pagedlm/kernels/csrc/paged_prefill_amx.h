@@ -1,7 +1,7 @@
 // The AMX inner path of paged_prefill.c: the BF16 path's packing and softmax
 // (paged_prefill_bf16.h), with the scores and the weighted values as AMX tile products, 32
 // rows at a time (two A tiles against each B tile). The packed keys ([head_size / 2][KT] bf16
-// pairs) are B tiles as they lie (16 dim pairs x 16 keys, rows KT * 4 bytes apart), the packed
+// pairs) are B tiles as they lie (16 dim pairs x 16 keys, rows KP * 4 bytes apart), the packed
 // values ([KT / 2][head_size][2]) too (16 key pairs x 16 dims), the raw bf16 query rows and the
 // bf16 probability rows A tiles.
 // Exact bf16 products and fp32 sums, as the BF16 path's dot products. Defines
@@ -34,20 +34,20 @@ static inline __attribute__((always_inline)) void qk_amx(const uint32_t* qb, con
     _tile_zero(2);
     _tile_zero(3);
     for (int c = 0; c < DV / 2; c++) {  // 32 dims a step
-      const uint32_t* k = kp + 16 * c * KT + kg;
+      const uint32_t* k = kp + 16 * c * KP + kg;
       _tile_loadd(4, qb + 16 * c, dp * 4);
-      _tile_loadd(6, k, KT * 4);
+      _tile_loadd(6, k, KP * 4);
       _tile_dpbf16ps(0, 4, 6);
       _tile_loadd(5, qb + 16 * dp + 16 * c, dp * 4);
       _tile_dpbf16ps(2, 5, 6);
-      _tile_loadd(7, k + 16, KT * 4);
+      _tile_loadd(7, k + 16, KP * 4);
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, p + kg, KT * 4);
-    _tile_stored(1, p + kg + 16, KT * 4);
-    _tile_stored(2, p + 16 * KT + kg, KT * 4);
-    _tile_stored(3, p + 16 * KT + kg + 16, KT * 4);
+    _tile_stored(0, p + kg, KP * 4);
+    _tile_stored(1, p + kg + 16, KP * 4);
+    _tile_stored(2, p + 16 * KP + kg, KP * 4);
+    _tile_stored(3, p + 16 * KP + kg + 16, KP * 4);
   }
 }
 
@@ -73,10 +73,10 @@ static inline __attribute__((always_inline)) void pv_amx(Scratch* s, const uint1
     _tile_loadd(3, acc + 16 * d + d0 + 16, d * 4);
     for (int kg = 0; kg < kn; kg += 32) {
       const uint16_t* v = vp + (kg / 2 * d + d0) * 2;  // key pairs kg / 2 .., dims d0 ..
-      _tile_loadd(4, pb + kg, KT * 2);  // rows of KT bf16
+      _tile_loadd(4, pb + kg, PBP * 2);  // rows of PBP bf16
       _tile_loadd(6, v, d * 4);
       _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, pb + 16 * KT + kg, KT * 2);
+      _tile_loadd(5, pb + 16 * PBP + kg, PBP * 2);
       _tile_dpbf16ps(2, 5, 6);
       _tile_loadd(7, v + 32, d * 4);
       _tile_dpbf16ps(1, 4, 7);

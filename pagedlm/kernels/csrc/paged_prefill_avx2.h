@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void qk_f32_avx2(const float* qf, c
         }
       }
       for (int i = 0; i < QK_R; i++)
-        for (int v = 0; v < QK_V; v++) _mm256_storeu_ps(p + (r0 + i) * KT + kg + 8 * v, s[i][v]);
+        for (int v = 0; v < QK_V; v++) _mm256_storeu_ps(p + (r0 + i) * KP + kg + 8 * v, s[i][v]);
     }
   }
 }
@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) void pv_f32_avx2(Scratch* s, const 
   for (int c0 = 0; c0 < DV; c0 += PV_V) {
     const float* chunk = vf + (c0 / PV_V) * KT * PV_DIMS;
     for (int64_t r0 = rb; r0 < rb + RB_ROWS; r0 += PV_R) {
-      const float* p0 = s->p + (r0 - rb) * KT;
+      const float* p0 = s->p + (r0 - rb) * KP;
       __m256 acc[PV_R][PV_V];
       for (int i = 0; i < PV_R; i++) {
         const __m256 al = _mm256_set1_ps(s->alpha[r0 + i]);
@@ -194,7 +194,7 @@ static inline __attribute__((always_inline)) void pv_f32_avx2(Scratch* s, const 
         __m256 v[PV_V];
         for (int c = 0; c < PV_V; c++) v[c] = _mm256_loadu_ps(chunk + j * PV_DIMS + 8 * c);
         for (int i = 0; i < PV_R; i++) {
-          const __m256 pi = _mm256_broadcast_ss(p0 + i * KT + j);
+          const __m256 pi = _mm256_broadcast_ss(p0 + i * KP + j);
           for (int c = 0; c < PV_V; c++) acc[i][c] = _mm256_fmadd_ps(pi, v[c], acc[i][c]);
         }
       }

@@ -15,7 +15,7 @@ static inline __m256i load16_bf16_bits(const Args* a, const void* cache, int64_t
   return (__m256i)_mm512_cvtneps_pbh(load16_kv(cache, off, a->kind, scale));
 }
 
-// kp: keys as bf16 pairs, [head_size / 2][KT] 32-bit; vp: values as pairs of tokens,
+// kp: keys as bf16 pairs, [head_size / 2][KP] 32-bit (KT used); vp: values as pairs of tokens,
 // [KT / 2][head_size][2] bf16 (lane x of vector (jp, c) = tokens 2jp, 2jp + 1 of dim 16c + x).
 static inline __attribute__((always_inline)) void pack_bf16(const Args* a, const int64_t* table,
                                                             int64_t kh, int64_t t0, int64_t hi,
@@ -39,7 +39,7 @@ static inline __attribute__((always_inline)) void pack_bf16(const Args* a, const
             _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi16, 1));  // 16 pairs of key j
       }
       transpose16(r);
-      for (int x = 0; x < 16; x++) _mm512_storeu_ps((float*)kp + (16 * c + x) * KT + kg, r[x]);
+      for (int x = 0; x < 16; x++) _mm512_storeu_ps((float*)kp + (16 * c + x) * KP + kg, r[x]);
     }
   }
   const __m512i lo_idx = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003,
@@ -138,7 +138,7 @@ static inline __attribute__((always_inline)) void qk_bf16(const uint32_t* qb, co
         for (int c = 0; c < 4; c++) s[i][c] = _mm512_setzero_ps();
       for (int64_t x = 0; x < dp; x++) {
         __m512bh k[4];
-        for (int c = 0; c < 4; c++) k[c] = (__m512bh)_mm512_loadu_si512(kp + x * KT + kg + 16 * c);
+        for (int c = 0; c < 4; c++) k[c] = (__m512bh)_mm512_loadu_si512(kp + x * KP + kg + 16 * c);
         for (int i = 0; i < 4; i++) {
           const __m512bh q = (__m512bh)_mm512_set1_epi32((int)qb[(r0 + i) * dp + x]);
           for (int c = 0; c < 4; c++) s[i][c] = _mm512_dpbf16_ps(s[i][c], q, k[c]);
@@ -146,19 +146,19 @@ static inline __attribute__((always_inline)) void qk_bf16(const uint32_t* qb, co
       }
       for (int i = 0; i < 4; i++)
         for (int c = 0; c < 4; c++)
-          _mm512_storeu_ps(p + (r0 + i) * KT + kg + 16 * c, s[i][c]);
+          _mm512_storeu_ps(p + (r0 + i) * KP + kg + 16 * c, s[i][c]);
     }
     for (; kg < kn; kg += 16) {
       __m512 s[4];
       for (int i = 0; i < 4; i++) s[i] = _mm512_setzero_ps();
       for (int64_t x = 0; x < dp; x++) {
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + x * KT + kg);
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + x * KP + kg);
         for (int i = 0; i < 4; i++)
           s[i] =
               _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32((int)qb[(r0 + i) * dp + x]), k);
       }
       for (int i = 0; i < 4; i++)
-        _mm512_storeu_ps(p + (r0 + i) * KT + kg, s[i]);
+        _mm512_storeu_ps(p + (r0 + i) * KP + kg, s[i]);
     }
   }
 }
@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void pv_bf16(Scratch* s, const uint
     for (int jp = 0; jp < kn / 2; jp++) {
       __m512bh pp[4];
       for (int i = 0; i < RB; i++)
-        pp[i] = (__m512bh)_mm512_set1_epi32((int)s->pb[(r0 - rb + i) * (KT / 2) + jp]);
+        pp[i] = (__m512bh)_mm512_set1_epi32((int)s->pb[(r0 - rb + i) * (PBP / 2) + jp]);
       for (int c = 0; c < DV; c++) {
         const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + (jp * d + 16 * c) * 2);
         for (int i = 0; i < RB; i++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pp[i], v);
