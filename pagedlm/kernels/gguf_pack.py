@@ -352,12 +352,11 @@ def packed_rows(w: PackedGGUFWeight, rows: torch.Tensor) -> torch.Tensor:
     row's tile."""
     n, k = w.shape
     tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
-    if w.bits == 8:
-        pick = torch.arange(rows.shape[0])
-        quads = w.qs[tile].view(-1, k // 4, TILE_ROWS, 4)[pick, :, lane]  # [B, K/4, 4]
-        q = quads.reshape(-1, k).to(torch.int32) - w.offset
-        scales = w.scales[tile].float()[pick, :, lane]  # [B, K/G]
-        return (q.float().view(-1, k // w.group, w.group) * scales[..., None]).view(-1, k)
+    if w.bits == 8:  # each row's own bytes, not its whole tile's (16x the data)
+        quads = w.qs.view(-1, k // 4, TILE_ROWS, 4)[tile, :, lane]  # [B, K/4, 4]
+        q = quads.reshape(-1, k // w.group, w.group).float().sub_(w.offset)  # exact in fp32
+        scales = w.scales[tile, :, lane].float()  # [B, K/G]
+        return q.mul_(scales[..., None]).view(-1, k)
     out = torch.empty(rows.shape[0], k)
     tiled = ("qs", "qh", "scales", "mins", "super_scales", "super_mins")
     for r0 in range(0, rows.shape[0], _ROWS_PER_GATHER):
