@@ -101,17 +101,20 @@ def test_silu_and_mul_kernel_matches_torch(monkeypatch, dtype, d) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rotary_dim", [16, 8])  # 8: partial rotary, the rest passes through
-def test_rotary_kernel_matches_torch(monkeypatch, dtype, rotary_dim) -> None:
+@pytest.mark.parametrize(
+    ("head", "rotary_dim"),
+    [(16, 16), (16, 8), (64, 64), (128, 64)],  # partial rotary: the rest passes through;
+)  # halves of 32 and more: AVX-512's 16-lane loop
+def test_rotary_kernel_matches_torch(monkeypatch, dtype, head, rotary_dim) -> None:
     from pagedlm.layers.rotary_embedding import RotaryEmbedding
 
-    rope = RotaryEmbedding(16, rotary_dim, max_position=64, base=10000.0)
+    rope = RotaryEmbedding(head, rotary_dim, max_position=64, base=10000.0)
     gen = torch.Generator().manual_seed(3)
-    qkv = torch.randn(11, 4 * 16 + 2 * 2 * 16, generator=gen).to(dtype)
+    qkv = torch.randn(11, 4 * head + 2 * 2 * head, generator=gen).to(dtype)
     positions = torch.randint(0, 64, (11,), generator=gen)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, _ = qkv.clone().split([64, 32, 32], dim=-1)  # strided rows, as in the models
+        q, k, _ = qkv.clone().split([4 * head, 2 * head, 2 * head], dim=-1)  # strided rows
         q, k = rope(positions, q, k)
         return q.contiguous(), k.contiguous()
 

@@ -150,6 +150,9 @@ int rotary_embedding(void* q, void* k, const int64_t* positions, const float* co
     float* s = buf + rotary_dim;
     float* x = buf + 2 * rotary_dim;
     float* y = buf + 3 * rotary_dim;
+#ifdef PAGEDLM_AVX512
+    const __m512 zero = _mm512_setzero_ps();
+#endif
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
       if (!have) continue;
@@ -166,6 +169,25 @@ int rotary_embedding(void* q, void* k, const int64_t* positions, const float* co
         void* base = h < q_heads ? q : k;
         const int64_t offset =
             h < q_heads ? t * q_stride + h * head_size : t * k_stride + (h - q_heads) * head_size;
+#ifdef PAGEDLM_AVX512
+        if (half % 16 == 0) {  // the loops below, 16 lanes at a time, rounded alike
+          for (int64_t i = 0; i < half; i += 16) {
+            const __m512 x1 = load16(base, offset + i, bf16);
+            const __m512 x2 = load16(base, offset + half + i, bf16);
+            const __m512 c1 = _mm512_loadu_ps(c + i), c2 = _mm512_loadu_ps(c + half + i);
+            const __m512 s1 = _mm512_loadu_ps(s + i), s2 = _mm512_loadu_ps(s + half + i);
+            __m512 a = _mm512_mul_ps(x1, c1), b = _mm512_mul_ps(_mm512_sub_ps(zero, x2), s1);
+            __m512 e = _mm512_mul_ps(x2, c2), f = _mm512_mul_ps(x1, s2);
+            if (bf16) {
+              a = round512_bf16(a), b = round512_bf16(b), e = round512_bf16(e);
+              f = round512_bf16(f);
+            }
+            store16(base, offset + i, _mm512_add_ps(a, b), bf16);
+            store16(base, offset + half + i, _mm512_add_ps(e, f), bf16);
+          }
+          continue;
+        }
+#endif
         load_row(base, offset, rotary_dim, bf16, x);
         if (bf16) {
 #pragma omp simd
