@@ -199,7 +199,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         hooks (LoRA) read the layer's output."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             return None
-        if self._forward_hooks:
+        if self._forward_hooks or self._forward_pre_hooks:
             return None
         return self.quant_method.apply_silu_and_mul(self, x, self.bias)
 

@@ -123,6 +123,27 @@ def test_rotary_kernel_matches_torch(monkeypatch, dtype, head, rotary_dim) -> No
     _close(got[1], want[1])
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kernel_keeps_the_sign_of_zeros(monkeypatch, dtype) -> None:
+    """Zeros rotate to the zeros PyTorch gives, sign included (the vector loop negates by a
+    sign flip: 0 - x would turn -0 into +0 where cos < 0)."""
+    from pagedlm.layers.rotary_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 64, max_position=64, base=10000.0)
+    positions = torch.arange(40, 64)  # cos < 0 in some lanes
+
+    def run() -> torch.Tensor:
+        q = torch.zeros(24, 2 * 64, dtype=dtype)
+        q[:, 1::3] = -0.0
+        k = torch.zeros(24, 64, dtype=dtype)
+        q, k = rope(positions, q, k)
+        return torch.cat([q, k], dim=-1)
+
+    got, want = run(), _torch_path(monkeypatch, run)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 needs_fast_linear = pytest.mark.skipif(
     not small_batch_linear_supported(), reason="no AMX/AVX-512 BF16 here: oneDNN serves them"
 )

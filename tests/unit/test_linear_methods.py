@@ -208,9 +208,11 @@ def test_int8_mlp_computes_silu_and_mul_with_gate_up(dtype) -> None:
     assert fused is not None and torch.equal(fused, mlp.act_fn(gate_up(x)))
     assert torch.equal(mlp._gate_up_act(x), fused)
     assert gate_up.silu_and_mul(x[:2]) is None  # the GEMV's batches
-    handle = gate_up.register_forward_hook(lambda module, args, out: out)
-    assert gate_up.silu_and_mul(x) is None
-    handle.remove()
+    for register in (gate_up.register_forward_hook, gate_up.register_forward_pre_hook):
+        handle = register(lambda module, *args: None)
+        assert gate_up.silu_and_mul(x) is None
+        handle.remove()
+    assert gate_up.silu_and_mul(x[0]) is None  # one row (1-D): the GEMV's, as `apply` counts
 
 
 def test_int8_off_the_kernel_shapes_keeps_the_dequantized_weight() -> None:

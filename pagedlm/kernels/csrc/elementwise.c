@@ -132,6 +132,14 @@ int silu_and_mul(const void* x, void* out, int64_t rows, int64_t d, int bf16, in
 // are `q_stride` / `k_stride` elements apart. cos/sin: fp32 [max_position, rotary_dim]; with
 // bf16 they are rounded to bf16 first and x*cos + rotate_half(x)*sin rounds after each op.
 // Returns 0 if a buffer could not be allocated (the output is then incomplete), else 1.
+#ifdef PAGEDLM_AVX512
+// -x on 16 lanes, as the scalar unary minus (-0 for +0: a sign flip, not 0 - x).
+static inline __m512 neg(__m512 x) {
+  return _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+#endif
+
 int rotary_embedding(void* q, void* k, const int64_t* positions, const float* cos_cache,
                      const float* sin_cache, int64_t tokens, int64_t q_heads, int64_t k_heads,
                      int64_t q_stride, int64_t k_stride, int64_t head_size, int64_t rotary_dim,
@@ -150,9 +158,6 @@ int rotary_embedding(void* q, void* k, const int64_t* positions, const float* co
     float* s = buf + rotary_dim;
     float* x = buf + 2 * rotary_dim;
     float* y = buf + 3 * rotary_dim;
-#ifdef PAGEDLM_AVX512
-    const __m512 zero = _mm512_setzero_ps();
-#endif
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
       if (!have) continue;
@@ -170,13 +175,14 @@ int rotary_embedding(void* q, void* k, const int64_t* positions, const float* co
         const int64_t offset =
             h < q_heads ? t * q_stride + h * head_size : t * k_stride + (h - q_heads) * head_size;
 #ifdef PAGEDLM_AVX512
-        if (half % 16 == 0) {  // the loops below, 16 lanes at a time, rounded alike
+        if (half % 16 == 0) {  // the loops below, 16 lanes at a time, rounded alike (but
+          // for fp32 denormal products, which the bf16 conversion flushes to zero)
           for (int64_t i = 0; i < half; i += 16) {
             const __m512 x1 = load16(base, offset + i, bf16);
             const __m512 x2 = load16(base, offset + half + i, bf16);
             const __m512 c1 = _mm512_loadu_ps(c + i), c2 = _mm512_loadu_ps(c + half + i);
             const __m512 s1 = _mm512_loadu_ps(s + i), s2 = _mm512_loadu_ps(s + half + i);
-            __m512 a = _mm512_mul_ps(x1, c1), b = _mm512_mul_ps(_mm512_sub_ps(zero, x2), s1);
+            __m512 a = _mm512_mul_ps(x1, c1), b = _mm512_mul_ps(neg(x2), s1);
             __m512 e = _mm512_mul_ps(x2, c2), f = _mm512_mul_ps(x1, s2);
             if (bf16) {
               a = round512_bf16(a), b = round512_bf16(b), e = round512_bf16(e);

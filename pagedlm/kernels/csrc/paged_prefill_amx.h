@@ -1,7 +1,7 @@
 // The AMX inner path of paged_prefill.c: the BF16 path's packing and softmax
 // (paged_prefill_bf16.h), with the scores and the weighted values as AMX tile products, 32
-// rows at a time (two A tiles against each B tile). The packed keys ([head_size / 2][KT] bf16
-// pairs) are B tiles as they lie (16 dim pairs x 16 keys, rows KP * 4 bytes apart), the packed
+// rows at a time (two A tiles against each B tile). The packed keys ([head_size / 2][KP] bf16
+// pairs, KT used) are B tiles as they lie (16 dim pairs x 16 keys, rows KP * 4 bytes apart), the packed
 // values ([KT / 2][head_size][2]) too (16 key pairs x 16 dims), the raw bf16 query rows and the
 // bf16 probability rows A tiles.
 // Exact bf16 products and fp32 sums, as the BF16 path's dot products. Defines

@@ -182,7 +182,7 @@ class PackedLinearMethod(LinearMethodBase):
         """Prefill-sized batches of one packed int8 weight on AMX-INT8: the GEMM applies the
         activation to each row of its sums, so the [M, 2 * d] product is never written."""
         (g, *rest) = layer.packed_groups
-        if rest or g.packed is None or takes_gemv(x.shape[0]):
+        if rest or g.packed is None or takes_gemv(x.numel() // x.shape[-1]):
             return None
         if x.dtype not in (torch.bfloat16, torch.float32):
             return None
