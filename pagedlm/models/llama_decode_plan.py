@@ -39,7 +39,12 @@ from pagedlm.layers.attention import Attention
 from pagedlm.layers.layernorm import RMSNorm
 from pagedlm.layers.linear import linear as dense_linear
 from pagedlm.layers.quantization.base import UnquantizedLinearMethod
-from pagedlm.layers.quantization.gguf import GEMV_ROWS, PackedLinearMethod, takes_gemv
+from pagedlm.layers.quantization.gguf import (
+    GEMV_ROWS,
+    PackedLinearMethod,
+    silu_and_mul_weight,
+    takes_gemv,
+)
 from pagedlm.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -259,9 +264,8 @@ class LlamaDecodePlan:
         """act = silu(gate) * up of h: one `int8_gemm_amx` pass where gate_up is one int8
         weight that the GEMM takes at these rows (as LlamaMLP computes it), else gate_up's
         product, then silu_and_mul."""
-        (group, *rest) = gate_up.__dict__.get("packed_groups") or [None]
-        packed = None if group is None or rest else group.packed
-        if packed is not None and not takes_gemv(self.rows) and kg.fuses_silu_and_mul(packed):
+        packed = silu_and_mul_weight(gate_up, self.rows)
+        if packed is not None:
             bias = gate_up.bias
             if bias is not None:
                 bias = bias.to(self.dtype)

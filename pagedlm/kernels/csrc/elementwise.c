@@ -128,10 +128,6 @@ int silu_and_mul(const void* x, void* out, int64_t rows, int64_t d, int bf16, in
   return ok;
 }
 
-// NeoX-style RoPE in place on the first `rotary_dim` dims of every head of q and k, whose rows
-// are `q_stride` / `k_stride` elements apart. cos/sin: fp32 [max_position, rotary_dim]; with
-// bf16 they are rounded to bf16 first and x*cos + rotate_half(x)*sin rounds after each op.
-// Returns 0 if a buffer could not be allocated (the output is then incomplete), else 1.
 #ifdef PAGEDLM_AVX512
 // -x on 16 lanes, as the scalar unary minus (-0 for +0: a sign flip, not 0 - x).
 static inline __m512 neg(__m512 x) {
@@ -140,6 +136,10 @@ static inline __m512 neg(__m512 x) {
 }
 #endif
 
+// NeoX-style RoPE in place on the first `rotary_dim` dims of every head of q and k, whose rows
+// are `q_stride` / `k_stride` elements apart. cos/sin: fp32 [max_position, rotary_dim]; with
+// bf16 they are rounded to bf16 first and x*cos + rotate_half(x)*sin rounds after each op.
+// Returns 0 if a buffer could not be allocated (the output is then incomplete), else 1.
 int rotary_embedding(void* q, void* k, const int64_t* positions, const float* cos_cache,
                      const float* sin_cache, int64_t tokens, int64_t q_heads, int64_t k_heads,
                      int64_t q_stride, int64_t k_stride, int64_t head_size, int64_t rotary_dim,

@@ -181,13 +181,11 @@ class PackedLinearMethod(LinearMethodBase):
     ) -> torch.Tensor | None:
         """Prefill-sized batches of one packed int8 weight on AMX-INT8: the GEMM applies the
         activation to each row of its sums, so the [M, 2 * d] product is never written."""
-        (g, *rest) = layer.packed_groups
-        if rest or g.packed is None or takes_gemv(x.numel() // x.shape[-1]):
-            return None
-        if x.dtype not in (torch.bfloat16, torch.float32):
+        w = silu_and_mul_weight(layer, x.numel() // x.shape[-1])
+        if w is None or x.dtype not in (torch.bfloat16, torch.float32):
             return None
         b = None if bias is None else bias.to(x.dtype)
-        y = gguf_kernels.int8_gemm_silu_and_mul(x.reshape(-1, x.shape[-1]), g.packed, b)
+        y = gguf_kernels.int8_gemm_silu_and_mul(x.reshape(-1, x.shape[-1]), w, b)
         return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -273,6 +271,16 @@ def _merge(shards: list, rows: int, cols: int, dtype: torch.dtype) -> list[Packe
         else:
             merged.append(g)
     return merged
+
+
+def silu_and_mul_weight(layer: nn.Module, rows: int) -> PackedGGUFWeight | None:
+    """The layer's one packed weight where its GEMM computes silu(gate) * up in one pass at
+    `rows` rows (per-channel int8 on AMX-INT8, batches past the GEMV's), else None: the
+    MLP's and the decode plan's condition."""
+    groups = layer.__dict__.get("packed_groups") or ()
+    if len(groups) != 1 or groups[0].packed is None or takes_gemv(rows):
+        return None
+    return groups[0].packed if gguf_kernels.fuses_silu_and_mul(groups[0].packed) else None
 
 
 def takes_gemv(rows: int) -> bool:
