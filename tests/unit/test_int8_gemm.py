@@ -79,10 +79,14 @@ def test_amx_int8_gemm_equals_its_twin(m, n, k, dtype) -> None:
 
 @needs_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(45, 40, 1344), (70, 33, 2048), (33, 48, 896)])
+@pytest.mark.parametrize(
+    "m,n,k", [(45, 40, 1344), (70, 33, 2048), (33, 48, 896), (300, 48, 896), (1100, 40, 1344)]
+)
 def test_amx_int8_gemm_per_token(m, n, k, dtype) -> None:
     """Activations per token: K in 512-value chunks with the int32 sums carried between them
-    (1344: a shorter last chunk), and whole (896: the pair's weight fits L1)."""
+    (1344: a shorter last chunk), and whole (896: the pair's weight fits L1); with enough row
+    groups that the next chunk's weights are prefetched across them (300, 1100), and in two
+    row blocks (1100 x 1344: 1.4 MiB of quants)."""
     packed, q, scale, x, bias = _case(m, n, k, dtype)
     per_token = pack_q8(q, scale, activation_block=None)
     assert per_token.activation_block is None and packed.activation_block == 128
@@ -183,7 +187,8 @@ def test_amx_gemm_outputs_past_the_l2s(m, n, dtype, columns) -> None:
         (37, 128, 896, None, True),  # per token, the pair's weight in L1 (rows outer)
         (70, 192, 1344, None, False),  # per token in 512-value chunks
         (45, 64, 512, 128, True),  # per 128
-        (1500, 2048, 256, 128, False),  # several row blocks; y past 4 MiB: streamed
+        (1500, 2048, 256, 128, False),  # y past 4 MiB: streamed
+        (1100, 128, 1344, None, True),  # two row blocks, gate -> up -> next gate prefetched
     ],
 )
 def test_amx_gemm_fuses_silu_and_mul(m, n, k, block, bias, dtype) -> None:

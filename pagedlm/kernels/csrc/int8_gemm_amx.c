@@ -9,8 +9,9 @@
 //    amax / 127, and corr[m][b] = 128 * (the block's sum of quants) undoes the + 128 of the
 //    weights. The quants are laid out as the A tiles they become: per 32-row group and 64-value
 //    k-step, 2 KB (rows 0-15, then 16-31), so each tile load reads 1 KB in a row.
-// 2. Rows go in blocks whose quants fit in L2 (BLOCK_BYTES), quantized just before use;
-//    threads split the block's pairs of weight tiles (32 output columns). For a pair, K goes
+// 2. Rows go in equal blocks whose quants fit in half of L2 (BLOCK_BYTES; 4096 x 9728 x 896
+//    per token with silu_and_mul: 21.5-22.6 ms in blocks of 1440 rows, 18-20 in blocks of
+//    512-1024), quantized just before use; threads split the block's pairs of weight tiles (32 output columns). For a pair, K goes
 //    in chunks of CHUNK activation blocks whose weights (8 KB) stay in L1 while every 32-row
 //    group of the block runs against them: per activation block four int32 C tiles
 //    accumulate its QB values (exact) and are stored, then acc[m][n] += as[m][b] * C in fp32,
@@ -21,35 +22,41 @@
 //    and by non-temporal stores where y passes 4 MiB: ordinary stores first read each line
 //    of y (strided rows, in no prefetcher's pattern), which took ~30% of a 4096 x 17920 x
 //    1536 product (70 -> 43 ms; 8 x 4096 prompts of the 1.5B int8: 38.5 -> 36.0 s).
-//    Where the pair's whole weight fits L1 (K <= 1024), row groups go outer instead, so each
-//    group's sums stay in L1 (qkv of the 0.5B at 512 rows: 2.0 -> 2.4 TOPS). Blocks longer
-//    than CHUNK_VALUES (per token) go in chunks of that many values, each group's C tiles
-//    stored and reloaded between chunks, so the fp32 work comes once per block (a cold 512 x
-//    17920 x 1536 product: 3.4 TOPS per 128 values, 4.6 per token).
+//    Blocks longer than CHUNK_VALUES (per token) go in chunks of that many values, each
+//    group's C tiles stored and reloaded between chunks, so the fp32 work comes once per
+//    block (a cold 512 x 17920 x 1536 product: 3.4 TOPS per 128 values, 4.6 per token).
+//    While a chunk's row groups run, a thread prefetches the weights of its next chunk a few
+//    lines a k-step (NextWeights): before, each chunk's first group waited on memory for its
+//    weights (the same product 5.1 -> 6.2 TOPS per token). With that, a pair whose whole
+//    weight fits L1 (K <= 1024) no longer gains from running its row groups outer over all of
+//    K (512 x 9728 x 896 per token 2.0 -> 1.7 ms in 512-value chunks), so none does.
 //
 // 3. silu_and_mul fused (gate_up of an MLP, W's rows [gate | up]): a thread takes a gate pair
 //    and the up pair N / 2 columns on; the gate pair's scaled sums (rounded as y's dtype)
 //    wait in a per-thread stash and the up pair writes silu(gate) * up, so the [M, N] product
 //    is never written nor read back: bit for bit silu_and_mul of the unfused y. 512 x 17920
-//    x 1536 (the 1.5B's gate_up) with silu_and_mul 7.0 -> 6.0 ms; at the 0.5B's K = 896,
-//    2.78 -> 2.69 (the SiLU's vector work, ~18 cycles per 16 values, stays).
+//    x 1536 (the 1.5B's gate_up) with silu_and_mul 7.0 -> 6.0 ms (5.2 with the prefetch); at
+//    the 0.5B's K = 896, 2.78 -> 2.69 (2.1); the SiLU's vector work, ~18 cycles per 16
+//    values, stays.
 //
 // On 2 Sapphire Rapids cores the tile products do not overlap the AVX-512 work (issuing the next
 // group's products before this group's accumulation measured no faster), so the time is
 // the TDPs plus the per-block fp32 accumulation: grouping blocks, keeping the chunk's weights
 // in L1 and the block's quants in L2 took a cold 512 x 17920 x 1536 product from 2.6 to ~3.4
 // TOPS, and a 32-row decode one from 1.6 to 1.25 ms (memory-bound: 1.1; benchmarks/gemm_micro.py).
+// The tile products alone peak at 11.6 TOPS on the 2 cores, quants from L2 included (the
+// 4-product step of step 2 in a loop), so per token the rest is still half of the time.
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "gguf_common.h"
 
-#define BLOCK_BYTES (5 << 18)   // quantized activation rows per block, L2-resident (of 2 MiB)
+#define BLOCK_BYTES (1 << 20)   // quantized activation rows per block, L2-resident (of 2 MiB)
 #define CHUNK 2                 // activation blocks per pass over acc (and per L1 weight chunk)
 #define CHUNK_VALUES 512        // K per L1 weight chunk within longer activation blocks
-#define PREFETCH_BYTES 2048     // weight bytes prefetched ahead of the first row group's loads
-#define PAIR_L1_BYTES (32 << 10)  // a pair's weights this small stay in L1 over all of K
+#define PREFETCH_BYTES 2048     // weight bytes prefetched ahead of a lone row group's loads
+#define SPREAD_GROUPS 4         // row groups in a block from which the next chunk is prefetched
 #define STREAM_BYTES (4 << 20)  // outputs this large (past the L2s) go by non-temporal stores
 
 #if defined(PAGEDLM_AMX) && defined(__AMX_INT8__)
@@ -58,6 +65,39 @@
 // The A-tile layout of step 1: row m, values k .. k + 63 (k a multiple of 64).
 static inline int8_t* packed_row(int8_t* aq, int64_t m, int64_t k, int64_t K) {
   return aq + (m / 32) * 32 * K + (k / 64) * 2048 + (m % 32) * 64;
+}
+
+// The weights a thread reads next (its pair's next K chunk, or its next pair's first),
+// prefetched `per` lines a k-step while this chunk's row groups run: two tiles' `bytes` from
+// tile[0] and tile[1]. Without it a chunk's first group waited on memory for its weights
+// (512 x 17920 x 1536 per token 5.1 -> 6.3 TOPS; 512 x 9728 x 896 with silu_and_mul 2.7 ->
+// 2.1 ms); blocks of fewer than SPREAD_GROUPS groups, whose chunks are too short to hide a
+// whole next chunk, prefetch PREFETCH_BYTES ahead of their loads instead.
+typedef struct {
+  const char* tile[2];
+  int64_t bytes, at, per;
+} NextWeights;
+
+// Plan, for a chunk of values k .. k + kn - 1 of the pair at b0 (tiles b0, b0 + K * 16) run by
+// `groups` row groups, the prefetch of the next `width` values: this pair's, or from K's end
+// the first of `next` (the thread's next pair; NULL: none).
+static inline void plan_next_weights(NextWeights* nw, const uint8_t* b0, const uint8_t* next,
+                                     int64_t k, int64_t kn, int64_t width, int64_t K,
+                                     int64_t groups) {
+  const int64_t nk = k + kn < K ? k + kn : 0, steps = groups * (kn / 64);
+  const uint8_t* w = nk ? b0 : next;
+  nw->tile[0] = (const char*)w + nk * 16;
+  nw->tile[1] = (const char*)w + (K + nk) * 16;
+  nw->bytes = (K - nk < width ? K - nk : width) * 16;
+  nw->at = 0;
+  nw->per = groups < SPREAD_GROUPS || w == NULL ? 0 : (2 * nw->bytes / 64 + steps - 1) / steps;
+}
+
+static inline void prefetch_next_weights(NextWeights* nw) {
+  for (int64_t j = 0; j < nw->per && nw->at < 2 * nw->bytes; j++, nw->at += 64) {
+    const int t = nw->at >= nw->bytes;
+    _mm_prefetch(nw->tile[t] + nw->at - t * nw->bytes, _MM_HINT_T0);
+  }
 }
 
 // Row m of x (a block from row mb) -> its quants in the A-tile layout at row i = m - mb,
@@ -94,13 +134,14 @@ static void quantize_packed(const void* x, int64_t m, int64_t mb, int64_t K, int
 
 // C tiles 0, 1 (rows 0-15 of the group at `a`) and 2, 3 (rows 16-31) (+)= A . B over the kn
 // values from k0 for weight tiles b0 (tile 6) and b1 (tile 7, when NT == 2); stored as 32 rows
-// x 32 int32 at c, whence they start when `resume` (else from 0). `ahead`: prefetch the
-// weights PREFETCH_BYTES on.
+// x 32 int32 at c, whence they start when `resume` (else from 0). Each k-step prefetches
+// some of `nw`, or with `ahead` (and no plan) the weights PREFETCH_BYTES on.
 static inline __attribute__((always_inline)) void block_product(const int8_t* a,
                                                                 const uint8_t* b0,
                                                                 const uint8_t* b1, int64_t k0,
                                                                 int64_t kn, int32_t* c,
                                                                 int resume, int ahead,
+                                                                NextWeights* nw,
                                                                 const int NT) {
   if (resume) {
     _tile_loadd(0, c, 128);
@@ -114,7 +155,9 @@ static inline __attribute__((always_inline)) void block_product(const int8_t* a,
     if (NT > 1) _tile_zero(3);
   }
   for (int64_t k = k0; k < k0 + kn; k += 64) {
-    if (ahead)
+    if (nw->per)
+      prefetch_next_weights(nw);
+    else if (ahead)
       for (int l = 0; l < 1024; l += 64) {
         _mm_prefetch((const char*)b0 + k * 16 + PREFETCH_BYTES + l, _MM_HINT_T0);
         if (NT > 1) _mm_prefetch((const char*)b1 + k * 16 + PREFETCH_BYTES + l, _MM_HINT_T0);
@@ -256,17 +299,14 @@ static inline __attribute__((always_inline)) void accumulate(
 static inline __attribute__((always_inline)) void group_chunk(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* b0,
     const uint8_t* b1, const Output* o, int64_t mb, int64_t mend, int64_t m0, int64_t t0,
-    int64_t b, int64_t nb, int64_t K, int64_t QB, int32_t* c, float* acc, const int NT) {
+    int64_t b, int64_t nb, int64_t K, int64_t QB, int32_t* c, float* acc, NextWeights* nw,
+    const int NT) {
   const int64_t nc = nb - b < CHUNK ? nb - b : CHUNK;
   for (int64_t g = 0; g < nc; g++)
-    block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, 0, m0 == mb, NT);
-  float* a = acc + (m0 - mb) * 32;
-  if (QB > CHUNK_VALUES)  // per token with the whole weight in L1: int32 sums past 2^24
-    accumulate(c, nc, as, corr, rc, nb, b, m0 - mb, a, b == 0, b + nc == nb, o, mb, mend, t0, 1,
-               NT);
-  else
-    accumulate(c, nc, as, corr, rc, nb, b, m0 - mb, a, b == 0, b + nc == nb, o, mb, mend, t0, 0,
-               NT);
+    block_product(aq + (m0 - mb) * K, b0, b1, (b + g) * QB, QB, c + g * 1024, 0, m0 == mb, nw,
+                  NT);
+  accumulate(c, nc, as, corr, rc, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, b + nc == nb, o,
+             mb, mend, t0, 0, NT);
 }
 
 // Where an activation block is longer than a chunk (per token: QB = K), block b of rows mb ..
@@ -275,12 +315,15 @@ static inline __attribute__((always_inline)) void group_chunk(
 static inline __attribute__((always_inline)) void long_block(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* b0,
     const uint8_t* b1, const Output* o, int64_t mb, int64_t mend, int64_t t0, int64_t b,
-    int64_t nb, int64_t K, int64_t QB, int32_t* stash, float* acc, const int NT) {
+    int64_t nb, int64_t K, int64_t QB, int32_t* stash, float* acc, const uint8_t* next,
+    const int NT) {
+  NextWeights nw;
   for (int64_t k0 = b * QB; k0 < (b + 1) * QB; k0 += CHUNK_VALUES) {
     const int64_t kn = (b + 1) * QB - k0 < CHUNK_VALUES ? (b + 1) * QB - k0 : CHUNK_VALUES;
+    plan_next_weights(&nw, b0, next, k0, kn, CHUNK_VALUES, K, (mend - mb + 31) / 32);
     for (int64_t m0 = mb; m0 < mend; m0 += 32) {
       int32_t* c = stash + (m0 - mb) * 32;
-      block_product(aq + (m0 - mb) * K, b0, b1, k0, kn, c, k0 > b * QB, m0 == mb, NT);
+      block_product(aq + (m0 - mb) * K, b0, b1, k0, kn, c, k0 > b * QB, m0 == mb, &nw, NT);
       if (k0 + kn == (b + 1) * QB)
         accumulate(c, 1, as, corr, rc, nb, b, m0 - mb, acc + (m0 - mb) * 32, b == 0, b + 1 == nb,
                    o, mb, mend, t0, 1, NT);
@@ -291,25 +334,27 @@ static inline __attribute__((always_inline)) void long_block(
 // One pair of weight tiles (t0, and t0 + 1 when NT == 2) against rows mb .. mend - 1 (a
 // block): K in chunks of CHUNK activation blocks (or of CHUNK_VALUES within longer blocks),
 // every 32-row group per chunk; each group's rows of y are written after its last chunk.
+// `next`: the tile pair this thread computes next (NULL: none), whose weights are prefetched
+// while the last chunk runs.
 static inline __attribute__((always_inline)) void pair_product(
     const int8_t* aq, const float* as, const int32_t* corr, const float* rc, const uint8_t* qs,
-    const Output* o, int64_t mb, int64_t mend, int64_t t0, int64_t K, int64_t QB, int32_t* c,
-    int32_t* stash, float* acc, const int NT) {
-  const int64_t nb = K / QB;
+    const Output* o, int64_t mb, int64_t mend, int64_t t0, const uint8_t* next, int64_t K,
+    int64_t QB, int32_t* c, int32_t* stash, float* acc, const int NT) {
+  const int64_t nb = K / QB, groups = (mend - mb + 31) / 32;
   const uint8_t* b0 = qs + t0 * (K / 4) * 64;
   const uint8_t* b1 = b0 + (K / 4) * 64;
-  if (32 * K <= PAIR_L1_BYTES) {  // the pair's whole weight stays in L1: rows outer, and
-    // each group's sums stay in L1 too
-    for (int64_t m0 = mb; m0 < mend; m0 += 32)
-      for (int64_t b = 0; b < nb; b += CHUNK)
-        group_chunk(aq, as, corr, rc, b0, b1, o, mb, mend, m0, t0, b, nb, K, QB, c, acc, NT);
-  } else if (QB > CHUNK_VALUES) {
+  NextWeights nw;
+  if (QB > CHUNK_VALUES) {
     for (int64_t b = 0; b < nb; b++)
-      long_block(aq, as, corr, rc, b0, b1, o, mb, mend, t0, b, nb, K, QB, stash, acc, NT);
+      long_block(aq, as, corr, rc, b0, b1, o, mb, mend, t0, b, nb, K, QB, stash, acc, next, NT);
   } else {
-    for (int64_t b = 0; b < nb; b += CHUNK)
+    for (int64_t b = 0; b < nb; b += CHUNK) {
+      const int64_t kn = (nb - b < CHUNK ? nb - b : CHUNK) * QB;
+      plan_next_weights(&nw, b0, next, b * QB, kn, CHUNK * QB, K, groups);
       for (int64_t m0 = mb; m0 < mend; m0 += 32)
-        group_chunk(aq, as, corr, rc, b0, b1, o, mb, mend, m0, t0, b, nb, K, QB, c, acc, NT);
+        group_chunk(aq, as, corr, rc, b0, b1, o, mb, mend, m0, t0, b, nb, K, QB, c, acc, &nw,
+                    NT);
+    }
   }
 }
 #endif
@@ -333,10 +378,13 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
 #ifdef PAGEDLM_AMX_INT8
   if (M < 1 || N < 1 || QB < 64 || QB % 64 || K % QB || !amx_permitted()) return 0;
   if (silu_and_mul && N % 64) return 0;
-  const int64_t tiles = (N + TILE - 1) / TILE, nb = K / QB;
-  int64_t rows_per_block = BLOCK_BYTES / K / 32 * 32;
-  if (rows_per_block < 32) rows_per_block = 32;
-  if (rows_per_block > (M + 31) / 32 * 32) rows_per_block = (M + 31) / 32 * 32;
+  const int64_t tiles = (N + TILE - 1) / TILE, nb = K / QB, tile_bytes = K * 16;
+  // blocks of equal 32-row groups, each at most BLOCK_BYTES of quants or SPREAD_GROUPS groups
+  // (fewer would stream the weights from memory once too often for their products)
+  const int64_t groups = (M + 31) / 32, fit = BLOCK_BYTES / (32 * K);
+  const int64_t blocks = (groups + (fit > SPREAD_GROUPS ? fit : SPREAD_GROUPS) - 1) /
+                         (fit > SPREAD_GROUPS ? fit : SPREAD_GROUPS);
+  const int64_t rows_per_block = (groups + blocks - 1) / blocks * 32;
   // one block's quants, scales and corrections, reused block by block (the rows of a last,
   // partial 32-row group past M hold zeros or an earlier block's rows: computed, never stored)
   int8_t* aq = alloc_lines(rows_per_block * K);
@@ -373,18 +421,24 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
 #pragma omp for schedule(static)
           for (int64_t u = 0; u < units; u++) {
             if (!have) continue;
-            pair_product(aq, as, corr, rc, qs, &o, mb, mend, 2 * u, K, QB, c, stash, acc, 2);
-            pair_product(aq, as, corr, rc, qs, &o, mb, mend, 2 * (units + u), K, QB, c, stash,
+            const uint8_t* up_pair = qs + 2 * (units + u) * tile_bytes;
+            const uint8_t* next_gate = u + 1 < units ? qs + 2 * (u + 1) * tile_bytes : NULL;
+            pair_product(aq, as, corr, rc, qs, &o, mb, mend, 2 * u, up_pair, K, QB, c, stash,
                          acc, 2);
+            pair_product(aq, as, corr, rc, qs, &o, mb, mend, 2 * (units + u), next_gate, K, QB,
+                         c, stash, acc, 2);
           }
         } else {
 #pragma omp for schedule(static)
           for (int64_t p = 0; p < (tiles + 1) / 2; p++) {
             if (!have) continue;
+            const uint8_t* next = 2 * p + 2 < tiles ? qs + (2 * p + 2) * tile_bytes : NULL;
             if (2 * p + 1 < tiles)
-              pair_product(aq, as, corr, rc, qs, &o, mb, mend, 2 * p, K, QB, c, stash, acc, 2);
+              pair_product(aq, as, corr, rc, qs, &o, mb, mend, 2 * p, next, K, QB, c, stash, acc,
+                           2);
             else
-              pair_product(aq, as, corr, rc, qs, &o, mb, mend, 2 * p, K, QB, c, stash, acc, 1);
+              pair_product(aq, as, corr, rc, qs, &o, mb, mend, 2 * p, next, K, QB, c, stash, acc,
+                           1);
           }
         }
       }
