@@ -84,9 +84,9 @@ def test_amx_int8_gemm_equals_its_twin(m, n, k, dtype) -> None:
 )
 def test_amx_int8_gemm_per_token(m, n, k, dtype) -> None:
     """Activations per token: K in 512-value chunks with the int32 sums carried between them
-    (1344: a shorter last chunk), and whole (896: the pair's weight fits L1); with enough row
-    groups that the next chunk's weights are prefetched across them (300, 1100), and in two
-    row blocks (1100 x 1344: 1.4 MiB of quants)."""
+    (1344 and 896: a shorter last chunk; 2048: four whole ones); with enough row groups that
+    the next chunk's weights are prefetched across them (300, 1100), and in two row blocks
+    (1100 x 1344: 1.4 MiB of quants)."""
     packed, q, scale, x, bias = _case(m, n, k, dtype)
     per_token = pack_q8(q, scale, activation_block=None)
     assert per_token.activation_block is None and packed.activation_block == 128
@@ -184,7 +184,7 @@ def test_amx_gemm_outputs_past_the_l2s(m, n, dtype, columns) -> None:
 @pytest.mark.parametrize(
     ("m", "n", "k", "block", "bias"),
     [
-        (37, 128, 896, None, True),  # per token, the pair's weight in L1 (rows outer)
+        (37, 128, 896, None, True),  # per token, K in a 512- and a 384-value chunk
         (70, 192, 1344, None, False),  # per token in 512-value chunks
         (45, 64, 512, 128, True),  # per 128
         (1500, 2048, 256, 128, False),  # y past 4 MiB: streamed

@@ -9,19 +9,19 @@
 //    amax / 127, and corr[m][b] = 128 * (the block's sum of quants) undoes the + 128 of the
 //    weights. The quants are laid out as the A tiles they become: per 32-row group and 64-value
 //    k-step, 2 KB (rows 0-15, then 16-31), so each tile load reads 1 KB in a row.
-// 2. Rows go in equal blocks whose quants fit in half of L2 (BLOCK_BYTES; 4096 x 9728 x 896
-//    per token with silu_and_mul: 21.5-22.6 ms in blocks of 1440 rows, 18-20 in blocks of
-//    512-1024), quantized just before use; threads split the block's pairs of weight tiles (32 output columns). For a pair, K goes
-//    in chunks of CHUNK activation blocks whose weights (8 KB) stay in L1 while every 32-row
-//    group of the block runs against them: per activation block four int32 C tiles
-//    accumulate its QB values (exact) and are stored, then acc[m][n] += as[m][b] * C in fp32,
-//    one pass over acc per chunk, from acc = -rc[m] = -sum over b of as[m][b] * corr[m][b]
-//    (C < 2^24 is exact in fp32 for QB <= 512; 7-14% faster per 128 than subtracting corr
-//    from every C). Longer blocks subtract it in int32 first. After K's last block the sums
-//    go straight to y = ws[n] * acc (+ bias[n]), a pair's row as one 64-byte line (bf16),
-//    and by non-temporal stores where y passes 4 MiB: ordinary stores first read each line
-//    of y (strided rows, in no prefetcher's pattern), which took ~30% of a 4096 x 17920 x
-//    1536 product (70 -> 43 ms; 8 x 4096 prompts of the 1.5B int8: 38.5 -> 36.0 s).
+// 2. Rows go in equal blocks whose quants fit in half of L2 (BLOCK_BYTES; 4096 x 9728 x 896 per
+//    token with silu_and_mul: 21.5-22.6 ms in blocks of 1440 rows, 18-20 in blocks of 512-1024),
+//    quantized just before use; threads split the block's pairs of weight tiles (32 output
+//    columns). For a pair, K goes in chunks of CHUNK activation blocks whose weights (8 KB) stay in
+//    L1 while every 32-row group of the block runs against them: per activation block four int32 C
+//    tiles accumulate its QB values (exact) and are stored, then acc[m][n] += as[m][b] * C in fp32,
+//    one pass over acc per chunk, from acc = -rc[m] = -sum over b of as[m][b] * corr[m][b] (C <
+//    2^24 is exact in fp32 for QB <= 512; 7-14% faster per 128 than subtracting corr from every C).
+//    Longer blocks subtract it in int32 first. After K's last block the sums go straight to y =
+//    ws[n] * acc (+ bias[n]), a pair's row as one 64-byte line (bf16), and by non-temporal stores
+//    where y passes 4 MiB: ordinary stores first read each line of y (strided rows, in no
+//    prefetcher's pattern), which took ~30% of a 4096 x 17920 x 1536 product (70 -> 43 ms; 8 x 4096
+//    prompts of the 1.5B int8: 38.5 -> 36.0 s).
 //    Blocks longer than CHUNK_VALUES (per token) go in chunks of that many values, each
 //    group's C tiles stored and reloaded between chunks, so the fp32 work comes once per
 //    block (a cold 512 x 17920 x 1536 product: 3.4 TOPS per 128 values, 4.6 per token).
@@ -69,10 +69,9 @@ static inline int8_t* packed_row(int8_t* aq, int64_t m, int64_t k, int64_t K) {
 
 // The weights a thread reads next (its pair's next K chunk, or its next pair's first),
 // prefetched `per` lines a k-step while this chunk's row groups run: two tiles' `bytes` from
-// tile[0] and tile[1]. Without it a chunk's first group waited on memory for its weights
-// (512 x 17920 x 1536 per token 5.1 -> 6.3 TOPS; 512 x 9728 x 896 with silu_and_mul 2.7 ->
-// 2.1 ms); blocks of fewer than SPREAD_GROUPS groups, whose chunks are too short to hide a
-// whole next chunk, prefetch PREFETCH_BYTES ahead of their loads instead.
+// tile[0] and tile[1] (step 2 above). Blocks of fewer than SPREAD_GROUPS groups, whose chunks
+// are too short to hide a whole next chunk, prefetch PREFETCH_BYTES ahead of their loads
+// instead.
 typedef struct {
   const char* tile[2];
   int64_t bytes, at, per;
@@ -382,8 +381,8 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
   // blocks of equal 32-row groups, each at most BLOCK_BYTES of quants or SPREAD_GROUPS groups
   // (fewer would stream the weights from memory once too often for their products)
   const int64_t groups = (M + 31) / 32, fit = BLOCK_BYTES / (32 * K);
-  const int64_t blocks = (groups + (fit > SPREAD_GROUPS ? fit : SPREAD_GROUPS) - 1) /
-                         (fit > SPREAD_GROUPS ? fit : SPREAD_GROUPS);
+  const int64_t most = fit > SPREAD_GROUPS ? fit : SPREAD_GROUPS;  // groups in a block
+  const int64_t blocks = (groups + most - 1) / most;
   const int64_t rows_per_block = (groups + blocks - 1) / blocks * 32;
   // one block's quants, scales and corrections, reused block by block (the rows of a last,
   // partial 32-row group past M hold zeros or an earlier block's rows: computed, never stored)
