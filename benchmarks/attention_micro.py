@@ -4,10 +4,13 @@ fp32, as AVX2 machines run it), with the achieved GFLOP/s (4 * head_size flops p
 pair inside the causal mask). Short; machine noise applies.
 
     python benchmarks/attention_micro.py [--contexts 4096 16384] [--chunk 512] [--dtype float32]
-        [--shape 12/2/128]
+        [--shape 12/2/128] [--decode-batch 32x320]
 
 Rows: a fresh prompt of `context` tokens in one chunk (when it is at most 4096), a `chunk`-token
-prefill chunk after `context` cached tokens, and one decode step at `context`.
+prefill chunk after `context` cached tokens, and one decode step at `context`. `--decode-batch
+BxC` adds a decode step of B sequences at C tokens each as a model's step sees it: every
+layer's cache cold (LAYERS caches in turn, blocks in random order), per layer, with the cache
+read in GB/s.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pagedlm.kernels.cpu import cpu_kernels
 from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
 
 BLOCK = 16
+LAYERS = 28  # caches cycled by --decode-batch (the 1.5B's layer count)
 
 
 def paged_cache(
@@ -44,6 +48,25 @@ def time_ms(fn, iters: int) -> float:
     return min(times) * 1e3
 
 
+def decode_batch_ms(lib, spec: str, heads: int, kv_heads: int, head_size: int, dtype, iters: int):
+    """(ms per layer, cache GB/s) of a decode step of B sequences at C tokens (`spec` BxC),
+    every layer's cache cold."""
+    b, c = (int(x) for x in spec.split("x"))
+    if c % BLOCK:
+        raise SystemExit(f"--decode-batch: C must be a multiple of {BLOCK}")
+    caches = [paged_cache(b * c, kv_heads, head_size, dtype) for _ in range(LAYERS)]
+    q = torch.randn(b, heads, head_size).to(dtype)
+    lens = torch.full((b,), c)
+
+    def step() -> None:
+        for k, v, table in caches:
+            paged_decode_attention(lib, q, k, v, table.view(b, -1), lens, head_size**-0.5, None)
+
+    ms = time_ms(step, iters) / LAYERS
+    cache_bytes = 2 * b * c * kv_heads * head_size * dtype.itemsize
+    return ms, cache_bytes / ms / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
@@ -55,8 +78,9 @@ def main() -> None:
         default="14/2/64",
         help="query heads/KV heads/head size (default: the 0.5B's; 1.5B: 12/2/128, 3B: 16/2/128)",
     )
+    parser.add_argument("--decode-batch", metavar="BxC", help="e.g. 32x320 (`random`'s steps)")
     args = parser.parse_args()
-    heads, kv_heads, head_size = (int(x) for x in args.shape.split("/"))
+    shape = heads, kv_heads, head_size = tuple(int(x) for x in args.shape.split("/"))
     lib = cpu_kernels()
     if lib is None:
         raise SystemExit("no C compiler: the C kernels are not built")
@@ -81,6 +105,11 @@ def main() -> None:
         ms = time_ms(partial(paged_decode_attention, lib, q, k, v, table, lens, scale, None), 20)
         gflops = 4 * head_size * heads * context / ms / 1e6
         print(f"{f'decode at {context}':<30}{ms:>10.2f}{gflops:>10.0f}")
+    if args.decode_batch:
+        ms, gbs = decode_batch_ms(lib, args.decode_batch, *shape, dtype, args.iters)
+        print(
+            f"decode {args.decode_batch}, {LAYERS} cold layers: {ms:.3f} ms a layer, {gbs:.1f} GB/s"
+        )
 
 
 if __name__ == "__main__":
