@@ -63,12 +63,21 @@ int small_batch_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bia
   int ok = 1;
   // x^T by pairs, tiled: xt[step s][tile j][pair r][column i] = (x[m][2p], x[m][2p + 1]) for
   // p = 16 s + r, m = 16 j + i, so each B tile is one contiguous kilobyte.
-  uint32_t* xt = calloc((K / 2) * mpad, 4);
+  uint32_t* xt = alloc_lines((K / 2) * mpad * 4);
   if (xt == NULL) return 0;
-  const uint32_t* x32 = (const uint32_t*)x;
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t p = 0; p < K / 2; p++)
-      xt[((p / 16 * MT + m / 16) * 16 + p % 16) * 16 + m % 16] = x32[m * (K / 2) + p];
+  // per (s, j) a 16 x 16 transpose of 32-bit pairs (rows past M stay zero): a scalar loop over
+  // every value ran on one thread before the parallel part, ~4% of a 1.5B bf16 decode step
+  const float* x32 = (const float*)x;
+  for (int64_t s = 0; s < K / 32; s++)
+    for (int j = 0; j < MT; j++) {
+      __m512 r[16];
+      for (int i = 0; i < 16; i++)
+        r[i] = 16 * j + i < M ? _mm512_loadu_ps(x32 + (16 * j + i) * (K / 2) + 16 * s)
+                              : _mm512_setzero_ps();
+      transpose16(r);
+      for (int p = 0; p < 16; p++)
+        _mm512_storeu_ps((float*)xt + ((s * MT + j) * 16 + p) * 16, r[p]);
+    }
 #pragma omp parallel num_threads(num_threads)
   {
     amx_configure_full_tiles(6);
