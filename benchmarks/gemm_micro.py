@@ -1,6 +1,7 @@
 """Batched linear time on one weight shape: the int8 W8A8 GEMM pagedlm runs for
 quantization="int8" (AMX-INT8 where it runs, else the VNNI or AVX2 kernels) against oneDNN
-bf16 on its prepacked weight (what pagedlm's bf16 path and vLLM-CPU call), with cold weights:
+bf16 on its prepacked weight (what pagedlm's bf16 prefill and vLLM-CPU call) and, up to 64 rows,
+pagedlm's bf16 decode-batch kernel (`small_batch_linear`) on the dense weight, with cold weights:
 `--copies` distinct weights are cycled, as a forward pass streams every layer's from memory.
 Short; machine noise applies. Runs with tcmalloc preloaded where the system has it, as the
 benchmarks run the engines: under glibc's malloc each call's large output is mapped afresh,
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pagedlm.kernels.cpu import small_batch_linear
 from pagedlm.kernels.gguf_pack import pack_q8
 from pagedlm.layers.quantization.gguf import gguf_linear
 from pagedlm.layers.quantization.int8 import quantize_per_channel
@@ -56,12 +58,14 @@ def main() -> None:
     for _ in range(args.copies):
         w = torch.randn(n, k) * 0.02
         bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
-        weights.append((pack_q8(*quantize_per_channel(w), block), bf16))
+        weights.append((pack_q8(*quantize_per_channel(w), block), bf16, w.bfloat16()))
     kernels = {
         "int8": lambda x, w: gguf_linear(x, w[0]),
         "bf16 oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(
             x, w[1], None, "none", [], ""
         ),
+        # pagedlm's bf16 decode batches (None past SMALL_BATCH_ROWS or without a fast ISA)
+        "bf16 small": lambda x, w: small_batch_linear(x, w[2], None),
     }
     allocator = "tcmalloc" if tcmalloc else "glibc malloc"
     print(
@@ -71,6 +75,8 @@ def main() -> None:
     for m in args.rows:
         x = torch.randn(m, k).bfloat16()
         for name, fn in kernels.items():
+            if name == "bf16 small" and fn(x, weights[0]) is None:
+                continue
             for w in weights[:2]:
                 fn(x, w)
             start = time.perf_counter()
