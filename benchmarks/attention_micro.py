@@ -48,7 +48,9 @@ def time_ms(fn, iters: int) -> float:
     return min(times) * 1e3
 
 
-def decode_batch_ms(lib, spec: str, heads: int, kv_heads: int, head_size: int, dtype, iters: int):
+def decode_batch_ms(
+    lib, spec: str, heads: int, kv_heads: int, head_size: int, dtype: torch.dtype, iters: int
+) -> tuple[float, float]:
     """(ms per layer, cache GB/s) of a decode step of B sequences at C tokens (`spec` BxC),
     every layer's cache cold."""
     b, c = (int(x) for x in spec.split("x"))
