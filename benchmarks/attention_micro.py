@@ -53,9 +53,12 @@ def decode_batch_ms(
 ) -> tuple[float, float]:
     """(ms per layer, cache GB/s) of a decode step of B sequences at C tokens (`spec` BxC),
     every layer's cache cold."""
-    b, c = (int(x) for x in spec.split("x"))
-    if c % BLOCK:
-        raise SystemExit(f"--decode-batch: C must be a multiple of {BLOCK}")
+    try:
+        b, c = (int(x) for x in spec.split("x"))
+    except ValueError:
+        raise SystemExit(f"--decode-batch: BxC (e.g. 32x320), not {spec!r}") from None
+    if b < 1 or c < BLOCK or c % BLOCK:
+        raise SystemExit(f"--decode-batch: B >= 1 and C a positive multiple of {BLOCK}")
     caches = [paged_cache(b * c, kv_heads, head_size, dtype) for _ in range(LAYERS)]
     q = torch.randn(b, heads, head_size).to(dtype)
     lens = torch.full((b,), c)

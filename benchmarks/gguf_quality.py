@@ -70,7 +70,7 @@ def fixed_texts() -> list[str]:
 
 def worker(model: str, mode: str, out: str, reference: str | None) -> None:
     sys.path.insert(0, str(ROOT))
-    if mode.startswith("vllm"):
+    if mode == "vllm-w8a8":
         from vllm import LLM, SamplingParams
     else:
         from pagedlm import LLM, SamplingParams
