@@ -6,10 +6,11 @@
 - `gguf_gemm`: the same product for larger batches (prefill), an integer GEMM on weight tiles
   unpacked to int8 in a per-thread scratch (AVX-512 VNNI only); on K-quants the activations
   are quantized per 256 values (ggml's Q8_K) and the sub-blocks combine in int32.
-- `int8_gemm_amx`: the GEMM of per-channel int8 weights (`pack_q8`) on AMX-INT8, activations
-  quantized per the weight's `activation_block` values or per token (`amx_act_block`), each
-  block's dots summed in int32 tiles (csrc/int8_gemm_amx.c); `gguf_gemm` takes it for those
-  weights where AMX runs.
+- `int8_gemm_amx`, `int8_gemm_vnni`: the GEMM of per-channel int8 weights (`pack_q8`) on
+  AMX-INT8, else AVX-512 VNNI, activations quantized per the weight's `activation_block`
+  values or per token (`channel_act_block`), each block's dots summed in int32
+  (csrc/int8_gemm_amx.c, csrc/int8_gemm_vnni.c); `gguf_gemm` takes one of them for those
+  weights wherever either runs.
 - `gguf_dequantize_rows`: a tile of W rows as bf16/fp32, for prefill GEMMs on oneDNN.
 - `quantize_rows_q8`: the kernels' activation quantization alone (for the tests).
 
@@ -181,27 +182,33 @@ declare("gguf_gemm", [_ptr] * 9 + [_i64] * 5 + [_int] * 6, _int)
 
 
 declare("int8_gemm_amx_supported", [], _int)
+declare("int8_gemm_vnni_compiled", [], _int)
 # x, qs, channel scales, bias, y, ldy, M, N, K, act_block, bf16, silu_and_mul, num_threads -> 1
-# if computed
+# if computed (int8_gemm_vnni: the same)
 declare("int8_gemm_amx", [_ptr] * 5 + [_i64] * 5 + [_int] * 3, _int)
+declare("int8_gemm_vnni", [_ptr] * 5 + [_i64] * 5 + [_int] * 3, _int)
 
 
-def amx_act_block(k: int, block: int | None = 128) -> int:
-    """Values per activation scale in `int8_gemm_amx`: K where `block` is None (per token), else
-    `block` where it is a multiple of 64 (the kernel's k-step) dividing K, else 128, or 64 where
-    K is not a multiple of 128. The layers choose (`LinearBase.activation_block`); the VNNI GEMM
-    takes 128 whatever they ask."""
+def channel_act_block(k: int, block: int | None = 128) -> int:
+    """Values per activation scale in the per-channel GEMMs (`int8_gemm_amx`,
+    `int8_gemm_vnni`): K where `block` is None (per token), else `block` where it is a
+    multiple of 64 (their k-step) dividing K, else 128, or 64 where K is not a multiple of
+    128. The layers choose (`LinearBase.activation_block`)."""
     if block is None:
         return k
     return next(b for b in (block, 128, 64) if b % 64 == 0 and k % b == 0)
 
 
-def _takes_amx(w: PackedGGUFWeight, amx: bool | None) -> bool:
-    """Whether the batched product of `w` runs `int8_gemm_amx` (amx=False: never; tests)."""
-    if w.channel_scales is None or amx is False:
-        return False
+def channel_gemm(w: PackedGGUFWeight, allowed: bool | None = None) -> str | None:
+    """The C function of the batched product of per-channel int8 `w`: "int8_gemm_amx" where
+    AMX-INT8 runs, else "int8_gemm_vnni" where AVX-512 VNNI is compiled in; None for other
+    weights, without either, or with `allowed=False` (tests: `gguf_gemm`'s blocks of 32)."""
     lib = cpu_kernels()
-    return lib is not None and bool(lib.int8_gemm_amx_supported())
+    if w.channel_scales is None or allowed is False or lib is None:
+        return None
+    if lib.int8_gemm_amx_supported():
+        return "int8_gemm_amx"
+    return "int8_gemm_vnni" if lib.int8_gemm_vnni_compiled() else None
 
 
 def gemm_args(
@@ -209,45 +216,44 @@ def gemm_args(
     w: PackedGGUFWeight,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
-    amx: bool | None = None,
+    channel: bool | None = None,
     silu_and_mul: bool = False,
 ) -> tuple[torch.Tensor, str, tuple]:
     """(y, the C function, its whole checked argument tuple) of the batched product, as
-    `gemv_args`: `int8_gemm_amx` for per-channel int8 weights where AMX-INT8 runs (`amx`:
-    None = where it runs, False = never; tests), else `gguf_gemm`. `silu_and_mul`: y is
-    silu(gate) * up of W's rows [gate | up], [M, N / 2], on `int8_gemm_amx` only."""
+    `gemv_args`: the per-channel GEMM (`channel_gemm`; `channel=False`: never, tests), else
+    `gguf_gemm`. `silu_and_mul`: y is silu(gate) * up of W's rows [gate | up], [M, N / 2],
+    on the per-channel GEMM only."""
     n = w.shape[0]
-    if silu_and_mul and (amx is False or not fuses_silu_and_mul(w)):
-        raise ValueError(f"gemm_args: silu_and_mul needs int8_gemm_amx and N % 64 == 0 (N={n})")
+    fn = channel_gemm(w, channel)
+    if silu_and_mul and (fn is None or not fuses_silu_and_mul(w)):
+        raise ValueError(f"gemm_args: silu_and_mul needs a per-channel GEMM, N % 64 == 0 (N={n})")
     y_cols = n // 2 if silu_and_mul else None
     y, pointers, (ldy, m, n, k, *layout) = _matmul_args("gguf_gemm", x, w, bias, out, y_cols)
     threads = torch.get_num_threads()
-    if _takes_amx(w, amx):
+    if fn is not None:
         tiles = w.qs.shape[0]
-        ws = checked(
-            "int8_gemm_amx", "channel_scales", w.channel_scales, torch.float32, (tiles * TILE_ROWS,)
-        )
+        ws = checked(fn, "channel_scales", w.channel_scales, torch.float32, (tiles * TILE_ROWS,))
         x_ptr, qs, *_, bias_ptr, y_ptr = pointers
         bf16 = layout[-1]
-        qb = amx_act_block(k, w.activation_block)
+        qb = channel_act_block(k, w.activation_block)
         sizes = (ldy, m, n, k, qb, bf16, int(silu_and_mul), threads)
-        return y, "int8_gemm_amx", (x_ptr, qs, ws, bias_ptr, y_ptr, *sizes)
+        return y, fn, (x_ptr, qs, ws, bias_ptr, y_ptr, *sizes)
     return y, "gguf_gemm", (*pointers, ldy, m, n, k, w.gemm_act_block, *layout, threads)
 
 
 def fuses_silu_and_mul(w: PackedGGUFWeight) -> bool:
-    """Whether `int8_gemm_amx` computes silu(gate) * up of w's rows [gate | up] in one pass
-    (per-channel int8 on AMX-INT8, halves of whole 32-column pairs)."""
-    return w.shape[0] % 64 == 0 and _takes_amx(w, None)
+    """Whether the per-channel GEMM computes silu(gate) * up of w's rows [gate | up] in one
+    pass (halves of whole 32-column pairs)."""
+    return w.shape[0] % 64 == 0 and channel_gemm(w) is not None
 
 
 def int8_gemm_silu_and_mul(
     x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """silu(gate) * up of x W^T (+ bias), W's rows [gate | up], by one `int8_gemm_amx` pass
-    that never writes the product: [M, N / 2] in x's dtype, bit for bit `silu_and_mul` of
-    `gguf_gemm`'s y. None where that kernel does not take w (no AMX-INT8, weights not int8
-    per channel, N not a multiple of 64)."""
+    """silu(gate) * up of x W^T (+ bias), W's rows [gate | up], by one pass of the per-channel
+    GEMM that never writes the product: [M, N / 2] in x's dtype, bit for bit `silu_and_mul`
+    of `gguf_gemm`'s y. None where no per-channel GEMM takes w (no AMX-INT8 nor AVX-512
+    VNNI, weights not int8 per channel, N not a multiple of 64)."""
     lib = cpu_kernels()
     if lib is None or not fuses_silu_and_mul(w):
         return None
@@ -258,16 +264,16 @@ def int8_gemm_silu_and_mul(
 
 
 def gguf_gemm(
-    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None, amx: bool | None = None
+    x: torch.Tensor, w: PackedGGUFWeight, bias: torch.Tensor | None, channel: bool | None = None
 ) -> torch.Tensor | None:
     """x [M, K] (bf16/fp32) @ W^T (+ bias) -> [M, N] in x's dtype, integer dot products:
-    activations quantized per `w.gemm_act_block` values (on AMX-INT8 per `amx_act_block`:
-    `w.activation_block`); None without C kernels, or without AVX-512
-    VNNI where AMX does not run."""
+    activations quantized per `w.gemm_act_block` values (per-channel int8: per
+    `channel_act_block`, from `w.activation_block`); None without C kernels, or without
+    AVX-512 VNNI where AMX does not run."""
     lib = cpu_kernels()
     if lib is None:
         return None
-    y, fn, args = gemm_args(x, w, bias, amx=amx)
+    y, fn, args = gemm_args(x, w, bias, channel=channel)
     if fn == "gguf_gemm" and not lib.gguf_gemm_compiled():
         return None
     if not getattr(lib, fn)(*args):

@@ -68,10 +68,10 @@ class PackedGGUFWeight:
     super_scales: torch.Tensor | None = None  # fp32 [T, K/256, 16]: the K-quants' d
     super_mins: torch.Tensor | None = None  # fp32 [T, K/256, 16]: the K-quants' dmin
     # fp32 [T * 16] (padding rows 0): the one scale of each row, where `scales` repeats it
-    # over the row's blocks (per-channel int8, `pack_q8`); the AMX-INT8 GEMM reads only this
+    # over the row's blocks (per-channel int8, `pack_q8`); the per-channel GEMMs read only this
     channel_scales: torch.Tensor | None = None
-    # per-channel int8: the values per activation scale that the AMX-INT8 GEMM is asked for
-    # (`kernels.gguf.amx_act_block`), or None: once per token (vLLM's W8A8)
+    # per-channel int8: the values per activation scale that the per-channel GEMMs are asked
+    # for (`kernels.gguf.channel_act_block`), or None: once per token (vLLM's W8A8)
     activation_block: int | None = 128
 
     @property

@@ -79,7 +79,8 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 class LinearBase(nn.Module):
     """y = x W^T (+ b); weights stored [output_size, input_size] (this rank's shard)."""
 
-    # Values per activation scale in the W8A8 AMX GEMM: the coarsest this layer's input
+    # Values per activation scale in the W8A8 per-channel GEMMs (AMX-INT8, AVX-512 VNNI;
+    # the GEMV takes 32): the coarsest this layer's input
     # takes within the quality bounds (fewer scales: faster); None = once per token. See
     # MergedColumnParallelLinear and RowParallelLinear.
     activation_block: int | None = 128
@@ -195,8 +196,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of [gate | up] = this layer's output, where its method computes it
-        in one pass (`apply_silu_and_mul`: int8 on AMX); None elsewhere, and while forward
-        hooks (LoRA) read the layer's output."""
+        in one pass (`apply_silu_and_mul`: per-channel int8 on AMX-INT8 or AVX-512 VNNI); None
+        elsewhere, and while forward hooks (LoRA) read the layer's output."""
         if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
             return None
         if self._forward_hooks or self._forward_pre_hooks:

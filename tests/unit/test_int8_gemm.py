@@ -1,6 +1,7 @@
-"""The int8 layout (`pack_q8`) under every kernel: the AMX-INT8 GEMM (activations per
-`amx_act_block` values), the VNNI GEMM and the GEMV, each against its PyTorch twin (int8
-activations dequantized, times the dequantized weight) within fp32 rounding."""
+"""The int8 layout (`pack_q8`) under every kernel: the per-channel GEMMs (AMX-INT8 and AVX-512
+VNNI, activations per `channel_act_block` values; each one this CPU runs), the blocks-of-32
+VNNI GEMM and the GEMV, each against its PyTorch twin (int8 activations dequantized, times the
+dequantized weight) within fp32 rounding."""
 
 from __future__ import annotations
 
@@ -13,8 +14,18 @@ from pagedlm.kernels.cpu import cpu_kernels, silu_and_mul
 from pagedlm.kernels.gguf_pack import dequantize_packed, pack_q8, quantize_activations
 from pagedlm.layers.quantization.int8 import quantize_per_channel
 
-needs_amx = pytest.mark.skipif(
-    cpu_kernels() is None or not cpu_kernels().int8_gemm_amx_supported(), reason="no AMX-INT8"
+_LIB = cpu_kernels()
+# the per-channel GEMMs this CPU runs: each is tested, whichever `gemm_args` picks
+CHANNEL_GEMMS = [
+    fn
+    for fn, runs in (
+        ("int8_gemm_amx", "int8_gemm_amx_supported"),
+        ("int8_gemm_vnni", "int8_gemm_vnni_compiled"),
+    )
+    if _LIB is not None and getattr(_LIB, runs)()
+]
+each_channel_gemm = pytest.mark.parametrize(
+    "fn", CHANNEL_GEMMS or [pytest.param(None, marks=pytest.mark.skip("no per-channel GEMM"))]
 )
 needs_vnni = pytest.mark.skipif(
     cpu_kernels() is None or not cpu_kernels().gguf_gemm_compiled(), reason="no AVX-512 VNNI"
@@ -50,6 +61,15 @@ def _check(got, q, scale, x, bias, block: int, stored_quants: bool = False) -> N
     assert ((got.double() - want).abs() <= bound).all()
 
 
+def _channel_product(fn, x, packed, bias, out=None, silu_and_mul=False) -> torch.Tensor:
+    """The product by per-channel GEMM `fn` with the arguments `gemm_args` checks (the same
+    for both), which picks the first of CHANNEL_GEMMS."""
+    y, picked, args = kg.gemm_args(x, packed, bias, out=out, silu_and_mul=silu_and_mul)
+    assert picked == CHANNEL_GEMMS[0] == kg.channel_gemm(packed)
+    assert getattr(_LIB, fn)(*args) == 1
+    return y
+
+
 def test_pack_q8_holds_the_quants_and_scales_exactly() -> None:
     packed, q, scale, *_ = _case(3, 40, 128, torch.float32)
     assert torch.equal(dequantize_packed(packed), q.float() * scale[:, None])
@@ -62,27 +82,29 @@ def test_pack_q8_holds_the_quants_and_scales_exactly() -> None:
         pack_q8(q[:, :96], scale)
 
 
-@needs_amx
+@each_channel_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "m,n,k",
     [(5, 40, 64), (16, 32, 128), (17, 33, 256), (37, 100, 1280), (300, 72, 384), (64, 16, 896)],
 )
-def test_amx_int8_gemm_equals_its_twin(m, n, k, dtype) -> None:
-    """Row tails (one or two 16-row tiles), column tails (one or two weight tiles of a pair,
-    partial last tile), K in blocks of 64 (K % 128 != 0) and of 128."""
+def test_channel_gemm_equals_its_twin(fn, m, n, k, dtype) -> None:
+    """Row tails (16-row tiles, 8-row panels), column tails (one or two weight tiles of a
+    pair, partial last tile), K in blocks of 64 (K % 128 != 0) and of 128; `gguf_gemm` runs
+    the first of CHANNEL_GEMMS."""
     packed, q, scale, x, bias = _case(m, n, k, dtype)
-    _, fn, _ = kg.gemm_args(x, packed, bias)
-    assert fn == "int8_gemm_amx"
-    _check(kg.gguf_gemm(x, packed, bias), q, scale, x, bias, kg.amx_act_block(k), True)
+    got = _channel_product(fn, x, packed, bias)
+    _check(got, q, scale, x, bias, kg.channel_act_block(k), True)
+    if fn == CHANNEL_GEMMS[0]:
+        assert torch.equal(kg.gguf_gemm(x, packed, bias), got)
 
 
-@needs_amx
+@each_channel_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "m,n,k", [(45, 40, 1344), (70, 33, 2048), (33, 48, 896), (300, 48, 896), (1100, 40, 1344)]
 )
-def test_amx_int8_gemm_per_token(m, n, k, dtype) -> None:
+def test_channel_gemm_per_token(fn, m, n, k, dtype) -> None:
     """Activations per token: K in 512-value chunks with the int32 sums carried between them
     (1344 and 896: a shorter last chunk; 2048: four whole ones); with enough row groups that
     the next chunk's weights are prefetched across them (300, 1100), and in two row blocks
@@ -90,30 +112,30 @@ def test_amx_int8_gemm_per_token(m, n, k, dtype) -> None:
     packed, q, scale, x, bias = _case(m, n, k, dtype)
     per_token = pack_q8(q, scale, activation_block=None)
     assert per_token.activation_block is None and packed.activation_block == 128
-    assert kg.amx_act_block(k, None) == k
-    _check(kg.gguf_gemm(x, per_token, bias), q, scale, x, bias, k)
+    assert kg.channel_act_block(k, None) == k
+    _check(_channel_product(fn, x, per_token, bias), q, scale, x, bias, k)
 
 
-@needs_amx
+@each_channel_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k", "block"), [(40, 48, 1280, 256), (33, 40, 2048, 512)])
-def test_amx_int8_gemm_coarser_blocks(m, n, k, block, dtype) -> None:
+def test_channel_gemm_coarser_blocks(fn, m, n, k, block, dtype) -> None:
     """A layer's coarser block (down's 256; 512, where the int32 sums of the weights as stored
     come closest to fp32's 2^24) against the twin at that block; the same output checked at
     128 fails, so the test tells the block sizes apart."""
     packed, q, scale, x, bias = _case(m, n, k, dtype)
     coarse = pack_q8(q, scale, activation_block=block)
-    assert kg.amx_act_block(k, coarse.activation_block) == block
-    got = kg.gguf_gemm(x, coarse, bias)
+    assert kg.channel_act_block(k, coarse.activation_block) == block
+    got = _channel_product(fn, x, coarse, bias)
     _check(got, q, scale, x, bias, block, True)
     with pytest.raises(AssertionError):
         _check(got, q, scale, x, bias, 128, True)
 
 
-def test_amx_act_block_falls_back_to_a_divisor_of_k() -> None:
-    assert [kg.amx_act_block(k, 256) for k in (4864, 896, 960)] == [256, 128, 64]
-    assert kg.amx_act_block(1600, 100) == 64  # not a whole number of the kernel's k-steps
-    assert kg.amx_act_block(896, None) == 896
+def test_channel_act_block_falls_back_to_a_divisor_of_k() -> None:
+    assert [kg.channel_act_block(k, 256) for k in (4864, 896, 960)] == [256, 128, 64]
+    assert kg.channel_act_block(1600, 100) == 64  # not a whole number of the kernel's k-steps
+    assert kg.channel_act_block(896, None) == 896
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler")
@@ -131,29 +153,28 @@ def test_gemv_on_the_int8_layout(m, dtype, isa) -> None:
 
 
 @needs_vnni
-@pytest.mark.parametrize("m", [1, 3, 9, 40])  # GEMV, then the VNNI GEMM
+@pytest.mark.parametrize("m", [1, 3, 9, 40])  # GEMV, then the blocks-of-32 VNNI GEMM
 def test_vnni_kernels_on_the_int8_layout(m) -> None:
     packed, q, scale, x, bias = _case(m, 48, 384, torch.float32)
     if m <= 4:
         _check(kg.gguf_gemv(x, packed, bias, isa="portable"), q, scale, x, bias, 32)
         got, block = kg.gguf_gemv(x, packed, bias), 32
     else:
-        got, block = kg.gguf_gemm(x, packed, bias, amx=False), packed.gemm_act_block
+        got, block = kg.gguf_gemm(x, packed, bias, channel=False), packed.gemm_act_block
     _check(got, q, scale, x, bias, block)
 
 
-@needs_amx
-def test_amx_gemm_writes_into_columns_of_a_wider_output() -> None:
+@each_channel_gemm
+def test_channel_gemm_writes_into_columns_of_a_wider_output(fn) -> None:
     """The decode plan's use: y is a column slice of the fused output (rows ldy apart)."""
     packed, q, scale, x, bias = _case(9, 40, 128, torch.bfloat16)
     out = torch.full((9, 100), 7.0, dtype=torch.bfloat16)
-    y, fn, args = kg.gemm_args(x, packed, bias, out=out[:, 30:70])
-    assert fn == "int8_gemm_amx" and getattr(cpu_kernels(), fn)(*args)
-    _check(out[:, 30:70], q, scale, x, bias, kg.amx_act_block(128))
+    _channel_product(fn, x, packed, bias, out=out[:, 30:70])
+    _check(out[:, 30:70], q, scale, x, bias, kg.channel_act_block(128), True)
     assert (out[:, :30] == 7).all() and (out[:, 70:] == 7).all()
 
 
-@needs_amx
+@each_channel_gemm
 @pytest.mark.parametrize(
     ("m", "n", "dtype", "columns"),
     [
@@ -163,23 +184,22 @@ def test_amx_gemm_writes_into_columns_of_a_wider_output() -> None:
         (1100, 2016, torch.bfloat16, (2, 2018)),  # not aligned: plain stores
     ],
 )
-def test_amx_gemm_outputs_past_the_l2s(m, n, dtype, columns) -> None:
+def test_channel_gemm_outputs_past_the_l2s(fn, m, n, dtype, columns) -> None:
     """Outputs of 4 MiB and more go by non-temporal stores where y's rows are 64-byte aligned
     (whole pairs' rows; the rest as plain stores), written around any columns outside y."""
     packed, q, scale, x, bias = _case(m, n, 128, dtype)
     if columns is None:
-        got = kg.gguf_gemm(x, packed, bias)
+        got = _channel_product(fn, x, packed, bias)
     else:
         out = torch.full((m, n + 128), 7.0, dtype=dtype)  # rows 4288 bytes apart
-        y, fn, args = kg.gemm_args(x, packed, bias, out=out[:, columns[0] : columns[1]])
-        assert fn == "int8_gemm_amx" and getattr(cpu_kernels(), fn)(*args)
+        _channel_product(fn, x, packed, bias, out=out[:, columns[0] : columns[1]])
         assert (out[:, : columns[0]] == 7).all() and (out[:, columns[1] :] == 7).all()
         got = out[:, columns[0] : columns[1]]
     assert got.numel() * got.element_size() >= 4 << 20
-    _check(got, q, scale, x, bias, kg.amx_act_block(128), True)
+    _check(got, q, scale, x, bias, kg.channel_act_block(128), True)
 
 
-@needs_amx
+@each_channel_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("m", "n", "k", "block", "bias"),
@@ -191,22 +211,26 @@ def test_amx_gemm_outputs_past_the_l2s(m, n, dtype, columns) -> None:
         (1100, 128, 1344, None, True),  # two row blocks, gate -> up -> next gate prefetched
     ],
 )
-def test_amx_gemm_fuses_silu_and_mul(m, n, k, block, bias, dtype) -> None:
+def test_channel_gemm_fuses_silu_and_mul(fn, m, n, k, block, bias, dtype) -> None:
     """The fused form is bit for bit the GEMM's y ([gate | up]) through silu_and_mul: each
     gate pair's sums, rounded as y would be, wait for the up pair N / 2 columns on."""
     packed, q, scale, x, b = _case(m, n, k, dtype)
     packed = pack_q8(q, scale, activation_block=block)
     b = b if bias else None
-    y = kg.gguf_gemm(x, packed, b)
-    got = kg.int8_gemm_silu_and_mul(x, packed, b)
-    assert got.shape == (m, n // 2) and torch.equal(got, silu_and_mul(cpu_kernels(), y))
+    y = _channel_product(fn, x, packed, b)
+    got = _channel_product(fn, x, packed, b, silu_and_mul=True)
+    assert got.shape == (m, n // 2) and torch.equal(got, silu_and_mul(_LIB, y))
+    if fn == CHANNEL_GEMMS[0]:
+        assert torch.equal(kg.int8_gemm_silu_and_mul(x, packed, b), got)
     gate, up = y.float().chunk(2, dim=-1)  # and that is silu(gate) * up
     torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=2**-7, atol=1e-5)
 
 
-@needs_amx
-def test_amx_gemm_refuses_to_fuse_odd_halves() -> None:
+@each_channel_gemm
+def test_channel_gemm_refuses_to_fuse_odd_halves(fn) -> None:
     packed, _, _, x, _ = _case(9, 96, 128, torch.float32)  # halves of 48: not whole pairs
     assert kg.int8_gemm_silu_and_mul(x, packed, None) is None
     with pytest.raises(ValueError, match="silu_and_mul needs"):
         kg.gemm_args(x, packed, None, silu_and_mul=True)
+    _, _, args = kg.gemm_args(x, packed, None)
+    assert getattr(_LIB, fn)(*args[:-2], 1, args[-1]) == 0  # the C function refuses it too

@@ -188,7 +188,9 @@ def test_int8_layer_is_quantized_when_its_last_shard_loads(fused) -> None:
 
 
 @pytest.mark.skipif(
-    cpu_kernels() is None or not cpu_kernels().int8_gemm_amx_supported(), reason="no AMX-INT8"
+    cpu_kernels() is None
+    or not (cpu_kernels().int8_gemm_amx_supported() or cpu_kernels().int8_gemm_vnni_compiled()),
+    reason="no per-channel int8 GEMM (AMX-INT8 or AVX-512 VNNI)",
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_mlp_computes_silu_and_mul_with_gate_up(dtype) -> None:

@@ -51,13 +51,13 @@
 #include <string.h>
 
 #include "gguf_common.h"
+#include "int8_gemm_output.h"
 
 #define BLOCK_BYTES (1 << 20)   // quantized activation rows per block, L2-resident (of 2 MiB)
 #define CHUNK 2                 // activation blocks per pass over acc (and per L1 weight chunk)
 #define CHUNK_VALUES 512        // K per L1 weight chunk within longer activation blocks
 #define PREFETCH_BYTES 2048     // weight bytes prefetched ahead of a lone row group's loads
 #define SPREAD_GROUPS 4         // row groups in a block from which the next chunk is prefetched
-#define STREAM_BYTES (4 << 20)  // outputs this large (past the L2s) go by non-temporal stores
 
 #if defined(PAGEDLM_AMX) && defined(__AMX_INT8__)
 #define PAGEDLM_AMX_INT8 1
@@ -176,76 +176,6 @@ static inline __attribute__((always_inline)) void block_product(const int8_t* a,
   _tile_stored(2, c + 512, 128);
   if (NT > 1) _tile_stored(1, c + 16, 128);
   if (NT > 1) _tile_stored(3, c + 528, 128);
-}
-
-// Where y goes: rows ldy apart, columns scaled by ws[n] (+ bias[n]). With `stream` (outputs
-// past STREAM_BYTES, rows 64-byte aligned) a pair's rows are written with non-temporal stores,
-// which skip reading each line of y before overwriting it. With `up` (silu_and_mul fused:
-// W's rows are [gate | up], up = N / 2) y holds silu(gate) * up, N / 2 columns: a gate pair's
-// scaled sums wait in `gate` (this thread's, 32 a block row) for the up pair N / 2 columns on.
-typedef struct {
-  void* y;
-  const float* ws;
-  const void* bias;
-  int64_t ldy, N, up;
-  int bf16, stream;
-  float* gate;
-} Output;
-
-// 16 of bias (x's dtype) from column n0, zeros past N or without one.
-static inline __m512 bias16(const Output* o, int64_t n0) {
-  if (o->bias == NULL || n0 >= o->N) return _mm512_setzero_ps();
-  const __mmask16 lanes = lanes_below(o->N - n0);
-  if (o->bf16) {
-    const __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t*)o->bias + n0);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  return _mm512_maskz_loadu_ps(lanes, (const float*)o->bias + n0);
-}
-
-// y row m, columns n0 .. n0 + 16 NT - 1 (those below N) = lo, hi.
-static inline void store_pair_row(const Output* o, int64_t m, int64_t n0, __m512 lo,
-                                  __m512 hi, const int NT) {
-  const int64_t at = m * o->ldy + n0;
-  if (NT > 1 && o->N - n0 >= 32) {
-    if (o->bf16) {
-      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits512(lo)),
-                                           bf16_bits512(hi), 1);
-      if (o->stream)
-        _mm512_stream_si512((__m512i*)((uint16_t*)o->y + at), v);
-      else
-        _mm512_storeu_si512((uint16_t*)o->y + at, v);
-    } else if (o->stream) {
-      _mm512_stream_ps((float*)o->y + at, lo);
-      _mm512_stream_ps((float*)o->y + at + 16, hi);
-    } else {
-      _mm512_storeu_ps((float*)o->y + at, lo);
-      _mm512_storeu_ps((float*)o->y + at + 16, hi);
-    }
-    return;
-  }
-  for (int j = 0; j < NT && n0 + 16 * j < o->N; j++)
-    store16_lanes(o->y, at + 16 * j, j ? hi : lo, o->bf16, lanes_below(o->N - n0 - 16 * j));
-}
-
-// Row m (block row i) of a pair's scaled sums lo, hi from column n0: to y, or with `up` to the
-// gate stash (columns below up) or to y as silu(gate) * up, each rounded as y's dtype first
-// (as the unfused y and silu_and_mul round them).
-static inline void finish_pair_row(const Output* o, int64_t i, int64_t m, int64_t n0, __m512 lo,
-                                   __m512 hi, const int NT) {
-  if (o->up == 0) {
-    store_pair_row(o, m, n0, lo, hi, NT);
-    return;
-  }
-  if (o->bf16) lo = round512_bf16(lo), hi = round512_bf16(hi);
-  float* g = o->gate + 32 * i;
-  if (n0 < o->up) {
-    _mm512_store_ps(g, lo);
-    _mm512_store_ps(g + 16, hi);
-    return;
-  }
-  store_pair_row(o, m, n0 - o->up, silu_mul512(_mm512_load_ps(g), lo, o->bf16),
-                 silu_mul512(_mm512_load_ps(g + 16), hi, o->bf16), NT);
 }
 
 // acc rows 0 .. 31 (32 fp32 columns each) (+)= sum over g < nc of as[i][b + g] * (c[g] -
@@ -391,11 +321,8 @@ int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void*
   int32_t* corr = calloc(rows_per_block * nb, sizeof(int32_t));
   float* rc = calloc(rows_per_block, sizeof(float));
   int ok = aq != NULL && as != NULL && corr != NULL && rc != NULL;
-  const int64_t bytes = bf16 ? 2 : 4, up = silu_and_mul ? N / 2 : 0, units = up / 32;
-  const Output out = {y, ws, bias, ldy, N, up, bf16,
-                      M * (up ? up : N) * bytes >= STREAM_BYTES && (uintptr_t)y % 64 == 0 &&
-                          ldy * bytes % 64 == 0,
-                      NULL};
+  const Output out = make_output(y, ws, bias, ldy, M, N, bf16, silu_and_mul);
+  const int64_t up = out.up, units = up / 32;
   if (ok) {
     memset(aq, 0, rows_per_block * K);
 #pragma omp parallel num_threads(num_threads)

@@ -12,9 +12,9 @@ C).
 
 Both keep only the packed copy (`kernels.gguf_pack.pack_q8`: Q8_0's tile layout, fp32 scales)
 and compute as packed GGUF does (`PackedLinearMethod`): the activations are quantized
-dynamically per 32 values (GEMV: decode-sized batches, every batch on AVX2) or 128 (GEMM:
-AMX-INT8 where it runs, else AVX-512 VNNI), finer than vLLM's per token; on AMX-INT8 per
-the layer's `activation_block` (`LinearBase`: per token on gate/up, 256 on down, else 128). Where
+dynamically per 32 values (GEMV: decode-sized batches, every batch on AVX2), else per the
+layer's `activation_block` (`LinearBase`: per token on gate/up, 256 on down, else 128; GEMM:
+AMX-INT8 where it runs, else AVX-512 VNNI), mostly finer than vLLM's per token. Where
 K is not a multiple of 64 the kernels do not apply: the layer keeps the dequantized weight
 (q * scale) and computes with F.linear.
 """
