@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from pagedlm.kernels.cpu import small_batch_linear
+from pagedlm.kernels.cpu import block_small_batch_weight, small_batch_linear, small_batch_linear_isa
+from pagedlm.kernels.gguf import gguf_gemm
 from pagedlm.kernels.gguf_pack import pack_q8
 from pagedlm.layers.quantization.gguf import gguf_linear
 from pagedlm.layers.quantization.int8 import quantize_per_channel
@@ -58,14 +59,22 @@ def main() -> None:
     for _ in range(args.copies):
         w = torch.randn(n, k) * 0.02
         bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
-        weights.append((pack_q8(*quantize_per_channel(w), block), bf16, w.bfloat16()))
+        dense = w.bfloat16()
+        blocked = (
+            block_small_batch_weight(dense) if small_batch_linear_isa() == "avx512_bf16" else None
+        )
+        weights.append((pack_q8(*quantize_per_channel(w), block), bf16, dense, blocked))
     kernels = {
         "int8": lambda x, w: gguf_linear(x, w[0]),
+        # the VNNI GEMM of blocks of 32 that per-channel int8 took before int8_gemm_vnni
+        "int8 blocks32": lambda x, w: gguf_gemm(x, w[0], None, channel=False),
         "bf16 oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(
             x, w[1], None, "none", [], ""
         ),
-        # pagedlm's bf16 decode batches (None past SMALL_BATCH_ROWS or without a fast ISA)
+        # pagedlm's bf16 decode batches (None past SMALL_BATCH_ROWS or without a fast ISA):
+        # over the dense weight (AMX, AVX2; tied LM heads), and AVX-512 BF16's blocked copy
         "bf16 small": lambda x, w: small_batch_linear(x, w[2], None),
+        "bf16 blocked": lambda x, w: None if w[3] is None else small_batch_linear(x, w[3], None),
     }
     allocator = "tcmalloc" if tcmalloc else "glibc malloc"
     print(
@@ -75,7 +84,9 @@ def main() -> None:
     for m in args.rows:
         x = torch.randn(m, k).bfloat16()
         for name, fn in kernels.items():
-            if name == "bf16 small" and fn(x, weights[0]) is None:
+            if name.startswith(("bf16 small", "bf16 blocked", "int8 blocks32")) and (
+                fn(x, weights[0]) is None
+            ):
                 continue
             for w in weights[:2]:
                 fn(x, w)

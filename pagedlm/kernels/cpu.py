@@ -84,6 +84,12 @@ def checked(
 
 
 SMALL_BATCH_ROWS = 64  # up to here the AMX kernel streams weights faster than oneDNN
+# AVX-512 BF16's loop over a dense weight (tied LM heads; the layers' own weights are in the
+# blocked copy, as fast as oneDNN's prepacked one or faster up to 64 rows) against oneDNN's
+# prepacked bf16, weights streamed from memory (Zen 4, 2 cores, benchmarks/gemm_micro.py, row
+# "bf16 small"): faster at 1-2 rows, 1.2-1.3x slower from 4 (the 1.5B's tied LM head at 32
+# rows 52.7 against 39.6 ms): `linear` sends it batches up to this
+DENSE_AVX512_BF16_ROWS = 2
 
 
 def _cpu_flags() -> str:
@@ -368,6 +374,15 @@ def small_batch_linear_isa() -> str | None:
     if lib.gemv_bf16_avx2_compiled():
         return "avx2"
     return None
+
+
+def takes_small_batch(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `layers.linear.linear` runs `rows` rows of a bf16 weight with the small-batch
+    kernel's copy (`weight`: dense, or AVX-512 BF16's blocked layout) rather than on oneDNN's
+    prepacked copy."""
+    if weight.dim() == 2 and small_batch_linear_isa() == "avx512_bf16":
+        return rows <= DENSE_AVX512_BF16_ROWS
+    return rows <= SMALL_BATCH_ROWS
 
 
 def small_batch_linear_supported() -> bool:

@@ -269,6 +269,36 @@ def test_avx2_cpus_run_small_batches_on_the_dense_weight(monkeypatch) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    ("isa", "blocked"),
+    [("avx512_bf16", False), ("avx512_bf16", True), ("amx", False), ("avx2", False)],
+)
+def test_layers_send_the_small_batch_kernel_only_the_batches_it_wins(
+    monkeypatch, isa, blocked
+) -> None:
+    """AVX-512 BF16's dense loop (tied LM heads) takes up to DENSE_AVX512_BF16_ROWS rows; its
+    blocked kernel, AMX's and AVX2's up to SMALL_BATCH_ROWS; larger batches go to the
+    prepacked copy, with the same product."""
+    from pagedlm.kernels import cpu as kc
+    from pagedlm.layers.linear import linear
+
+    if blocked and not lib.gemv_bf16_avx512_compiled():
+        pytest.skip("no AVX-512 BF16 here")
+    monkeypatch.setattr("pagedlm.kernels.cpu.small_batch_linear_isa", lambda: isa)
+    dense = torch.randn(48, 96).bfloat16()
+    w = kc.block_small_batch_weight(dense) if blocked else dense
+    limit = kc.DENSE_AVX512_BF16_ROWS if isa == "avx512_bf16" and not blocked else SMALL_BATCH_ROWS
+    assert [kc.takes_small_batch(r, w) for r in (1, limit, limit + 1)] == [True, True, False]
+    taken = []
+    real = kc.small_batch_linear
+    monkeypatch.setattr(kc, "small_batch_linear", lambda x, *a: taken.append(len(x)) or real(x, *a))
+    for rows in (limit, limit + 1):
+        x = torch.randn(rows, 96).bfloat16()
+        _within_one_bf16_step(linear(x, w, None, dense), x.float() @ dense.float().T)
+    assert taken == [limit]
+
+
+@needs_kernels
 def test_wrappers_reject_tensors_the_c_code_would_misread() -> None:
     """dtype, shape and layout of every pointer argument are checked before the call."""
     from pagedlm.kernels.cpu import rms_norm, rotary_embedding
