@@ -1,6 +1,6 @@
-// Where the per-channel int8 GEMMs (int8_gemm_amx.c, int8_gemm_vnni.c) write a pair of weight
-// tiles' scaled sums: y rows ldy apart, or silu(gate) * up of a fused gate_up, by plain or
-// non-temporal stores.
+// What the per-channel int8 GEMMs (int8_gemm_amx.c, int8_gemm_vnni.c) share: their shape rules
+// and where they write a pair of weight tiles' scaled sums: y rows ldy apart, or silu(gate) *
+// up of a fused gate_up, by plain or non-temporal stores.
 #pragma once
 #include "gguf_common.h"
 
@@ -20,6 +20,14 @@ typedef struct {
   int bf16, stream;
   float* gate;
 } Output;
+
+// The shape rules both per-channel GEMMs take (their arguments: int8_gemm_amx.c): QB a
+// multiple of 64 dividing K, and with silu_and_mul N a multiple of 64 and y N / 2 wide.
+static inline int channel_gemm_shapes_ok(int64_t M, int64_t N, int64_t K, int64_t QB,
+                                         int64_t ldy, int silu_and_mul) {
+  if (M < 1 || N < 1 || QB < 64 || QB % 64 || K % QB) return 0;
+  return !(silu_and_mul && N % 64) && ldy >= (silu_and_mul ? N / 2 : N);
+}
 
 // The Output of an [M, N] product (silu_and_mul: y [M, N / 2]); `gate` is each thread's own.
 static inline Output make_output(void* y, const float* ws, const void* bias, int64_t ldy,

@@ -196,8 +196,7 @@ int int8_gemm_vnni(const void* x, const uint8_t* qs, const float* ws, const void
                    int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t QB, int bf16,
                    int silu_and_mul, int num_threads) {
 #ifdef PAGEDLM_VNNI
-  if (M < 1 || N < 1 || QB < 64 || QB % 64 || K % QB || QB > MAX_QB) return 0;
-  if ((silu_and_mul && N % 64) || ldy < (silu_and_mul ? N / 2 : N)) return 0;
+  if (!channel_gemm_shapes_ok(M, N, K, QB, ldy, silu_and_mul) || QB > MAX_QB) return 0;
   const int64_t tiles = (N + TILE - 1) / TILE, nb = K / QB;
   // equal blocks of whole panels, each at most BLOCK_BYTES of quants (or one panel)
   const int64_t panels = (M + MR_ROWS - 1) / MR_ROWS;
