@@ -298,9 +298,10 @@ int int8_gemm_amx_supported(void) {
 
 // x [M, K] bf16/fp32; qs [ceil(N / 16)][K / 4][64]; ws [ceil(N / 16) * 16] fp32 per-channel
 // scales (padding rows 0); bias [N] in x's dtype or NULL; y rows ldy >= its width apart;
-// activations in blocks of QB (a multiple of 64 dividing K). `silu_and_mul`: y [M, N / 2] = silu(gate) * up
-// of the product [gate | up] (N a multiple of 64), which is never written. Returns 1 if
-// computed; 0 without AMX-INT8, for shapes outside these rules, or when out of memory.
+// activations in blocks of QB (a multiple of 64 dividing K). `silu_and_mul`: y [M, N / 2] =
+// silu(gate) * up of the product [gate | up] (N a multiple of 64), which is never written.
+// Returns 1 if computed; 0 without AMX-INT8, for shapes outside these rules, or when out of
+// memory.
 int int8_gemm_amx(const void* x, const uint8_t* qs, const float* ws, const void* bias, void* y,
                   int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t QB, int bf16,
                   int silu_and_mul, int num_threads) {
