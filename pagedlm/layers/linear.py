@@ -81,10 +81,10 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 class LinearBase(nn.Module):
     """y = x W^T (+ b); weights stored [output_size, input_size] (this rank's shard)."""
 
-    # Values per activation scale in the W8A8 per-channel GEMMs (AMX-INT8, AVX-512 VNNI;
-    # the GEMV takes 32): the coarsest this layer's input
-    # takes within the quality bounds (fewer scales: faster); None = once per token. See
-    # MergedColumnParallelLinear and RowParallelLinear.
+    # Values per activation scale in the W8A8 per-channel GEMMs (AMX-INT8, AVX-512 VNNI; the
+    # GEMV takes 32): the coarsest this layer's input takes within the quality bounds (fewer
+    # scales: faster); None = once per token. See MergedColumnParallelLinear and
+    # RowParallelLinear.
     activation_block: int | None = 128
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
