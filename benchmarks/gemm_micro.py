@@ -1,7 +1,9 @@
 """Batched linear time on one weight shape: the int8 W8A8 GEMM pagedlm runs for
 quantization="int8" (AMX-INT8 where it runs, else the VNNI or AVX2 kernels) against oneDNN
-bf16 on its prepacked weight (what pagedlm's bf16 prefill and vLLM-CPU call) and, up to 64 rows,
-pagedlm's bf16 decode-batch kernel (`small_batch_linear`) on the dense weight, with cold weights:
+bf16 on its prepacked weight (what pagedlm's bf16 prefill and vLLM-CPU call), the VNNI GEMM of
+blocks of 32 that per-channel int8 took before (`int8 blocks32`) and, up to 64 rows, pagedlm's
+bf16 decode-batch kernel (`small_batch_linear`) on the dense weight (`bf16 small`) and on
+AVX-512 BF16's blocked copy (`bf16 blocked`), with cold weights:
 `--copies` distinct weights are cycled, as a forward pass streams every layer's from memory.
 Short; machine noise applies. Runs with tcmalloc preloaded where the system has it, as the
 benchmarks run the engines: under glibc's malloc each call's large output is mapped afresh,
@@ -73,7 +75,7 @@ def main() -> None:
         ),
         # pagedlm's bf16 decode batches (None past SMALL_BATCH_ROWS or without a fast ISA):
         # over the dense weight (AMX, AVX2; tied LM heads), and AVX-512 BF16's blocked copy
-        "bf16 small": lambda x, w: small_batch_linear(x, w[2], None),
+        "bf16 small": lambda x, w: small_batch_linear(x, w[2], None, isa=small_batch_linear_isa()),
         "bf16 blocked": lambda x, w: None if w[3] is None else small_batch_linear(x, w[3], None),
     }
     allocator = "tcmalloc" if tcmalloc else "glibc malloc"
@@ -84,9 +86,7 @@ def main() -> None:
     for m in args.rows:
         x = torch.randn(m, k).bfloat16()
         for name, fn in kernels.items():
-            if name.startswith(("bf16 small", "bf16 blocked", "int8 blocks32")) and (
-                fn(x, weights[0]) is None
-            ):
+            if fn(x, weights[0]) is None:  # a kernel this CPU or row count does not take
                 continue
             for w in weights[:2]:
                 fn(x, w)

@@ -84,6 +84,7 @@ def bench_shape(name: str, n: int, kk: int, rows: list[int], iters: int) -> None
     blocks = [k.block_small_batch_weight(w) for w in ws]
     packed = [_random_gguf(GGUF_TYPES[name], n, kk, seed) for seed in range(len(ws))]
     iters = max(3, iters * 896 * 896 // (n * kk))
+    isa = k.small_batch_linear_isa()  # asked for: the dense loop at every row count
     it = Cycle(len(ws))
     for m in rows:
         x = torch.randn(m, kk).bfloat16()
@@ -93,7 +94,7 @@ def bench_shape(name: str, n: int, kk: int, rows: list[int], iters: int) -> None
 
         t1 = timeit(onednn, iters)
         t2 = timeit(lambda x=x: F.linear(x, ws[it()]), iters)
-        t3 = timeit(lambda x=x: k.small_batch_linear(x, ws[it()], None), iters)
+        t3 = timeit(lambda x=x: k.small_batch_linear(x, ws[it()], None, isa=isa), iters)
         t4 = timeit(lambda x=x: k.small_batch_linear(x, blocks[it()], None), iters)
         t5 = timeit(lambda x=x: gguf_linear(x, packed[it()]), iters)
         gbs = n * kk * 2 / t4 / 1e3

@@ -88,7 +88,7 @@ SMALL_BATCH_ROWS = 64  # up to here the AMX kernel streams weights faster than o
 # blocked copy, as fast as oneDNN's prepacked one or faster up to 64 rows) against oneDNN's
 # prepacked bf16, weights streamed from memory (Zen 4, 2 cores, benchmarks/gemm_micro.py, row
 # "bf16 small"): faster at 1-2 rows, 1.2-1.3x slower from 4 (the 1.5B's tied LM head at 32
-# rows 52.7 against 39.6 ms): `linear` sends it batches up to this
+# rows 52.7 against 39.6 ms): `small_batch_linear` chooses it for batches up to this
 DENSE_AVX512_BF16_ROWS = 2
 
 
@@ -376,15 +376,6 @@ def small_batch_linear_isa() -> str | None:
     return None
 
 
-def takes_small_batch(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `layers.linear.linear` runs `rows` rows of a bf16 weight with the small-batch
-    kernel's copy (`weight`: dense, or AVX-512 BF16's blocked layout) rather than on oneDNN's
-    prepacked copy."""
-    if weight.dim() == 2 and small_batch_linear_isa() == "avx512_bf16":
-        return rows <= DENSE_AVX512_BF16_ROWS
-    return rows <= SMALL_BATCH_ROWS
-
-
 def small_batch_linear_supported() -> bool:
     """Whether a fast `small_batch_linear` (AMX, AVX-512 BF16 or AVX2) runs here."""
     return small_batch_linear_isa() is not None
@@ -404,8 +395,9 @@ def small_batch_linear(
     kernel does not apply (other dtypes, more rows, no fast ISA): use another path.
 
     `weight` is dense [N, K] or blocked [N/16, K/2, 16, 2] (`block_small_batch_weight`).
-    `isa` forces a dense path ("amx", "avx512_bf16", "avx2" or "portable"; tests); None takes
-    the fastest (AMX where its shape rules hold, else AVX-512 BF16, else AVX2).
+    `isa` forces a dense path ("amx", "avx512_bf16", "avx2" or "portable"; tests, benchmarks);
+    None takes the fastest (AMX where its shape rules hold, else AVX-512 BF16 up to
+    DENSE_AVX512_BF16_ROWS rows, else AVX2), and None where oneDNN is faster.
     """
     if x.dim() != 2 or x.shape[0] > SMALL_BATCH_ROWS or not weight.is_contiguous():
         return None
@@ -416,7 +408,7 @@ def small_batch_linear(
         return _blocked_linear(lib, x, weight, bias)
     if isa is None:
         isa = small_batch_linear_isa()
-        if isa is None:
+        if isa is None or (isa == "avx512_bf16" and x.shape[0] > DENSE_AVX512_BF16_ROWS):
             return None
     fn = "small_batch_linear"
     x = x.contiguous()

@@ -31,15 +31,14 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches (`takes_small_batch`)
-    go to the small-batch kernel (AMX over the dense weight, or AVX-512 BF16 over its blocked
-    copy or a tied head's dense table), the rest to oneDNN. `weight` itself may be the
-    prepacked layout."""
+    """x W^T (+ b). With a prepacked copy (CPU): decode-sized batches go to the small-batch
+    kernel where it is the faster (AMX over the dense weight, or AVX-512 BF16 over its blocked
+    copy or, up to 2 rows, a tied head's dense table), the rest to oneDNN. `weight` itself
+    may be the prepacked layout."""
     if packed is not None:
-        if cpu_kernels.takes_small_batch(x.numel() // x.shape[-1], weight):
-            y = cpu_kernels.small_batch_linear(x, weight, bias)
-            if y is not None:
-                return y
+        y = cpu_kernels.small_batch_linear(x, weight, bias)
+        if y is not None:
+            return y
         weight = packed
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

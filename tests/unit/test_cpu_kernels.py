@@ -270,32 +270,34 @@ def test_avx2_cpus_run_small_batches_on_the_dense_weight(monkeypatch) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize(
-    ("isa", "blocked"),
-    [("avx512_bf16", False), ("avx512_bf16", True), ("amx", False), ("avx2", False)],
+    ("isa", "blocked"), [("avx512_bf16", False), ("avx512_bf16", True), ("avx2", False)]
 )
-def test_layers_send_the_small_batch_kernel_only_the_batches_it_wins(
-    monkeypatch, isa, blocked
-) -> None:
-    """AVX-512 BF16's dense loop (tied LM heads) takes up to DENSE_AVX512_BF16_ROWS rows; its
-    blocked kernel, AMX's and AVX2's up to SMALL_BATCH_ROWS; larger batches go to the
-    prepacked copy, with the same product."""
+def test_small_batch_linear_takes_only_the_batches_it_wins(monkeypatch, isa, blocked) -> None:
+    """Where it chooses, AVX-512 BF16's dense loop (tied LM heads) takes up to
+    DENSE_AVX512_BF16_ROWS rows; its blocked kernel and AVX2's up to SMALL_BATCH_ROWS; an
+    `isa` asked for is run at any of those. `linear` gives larger batches to the prepacked
+    copy, with the same product."""
     from pagedlm.kernels import cpu as kc
     from pagedlm.layers.linear import linear
 
-    if blocked and not lib.gemv_bf16_avx512_compiled():
-        pytest.skip("no AVX-512 BF16 here")
+    compiled = {"avx512_bf16": lib.gemv_bf16_avx512_compiled, "avx2": lib.gemv_bf16_avx2_compiled}
+    if not compiled[isa]():
+        pytest.skip(f"no {isa} here")
     monkeypatch.setattr("pagedlm.kernels.cpu.small_batch_linear_isa", lambda: isa)
     dense = torch.randn(48, 96).bfloat16()
     w = kc.block_small_batch_weight(dense) if blocked else dense
     limit = kc.DENSE_AVX512_BF16_ROWS if isa == "avx512_bf16" and not blocked else SMALL_BATCH_ROWS
-    assert [kc.takes_small_batch(r, w) for r in (1, limit, limit + 1)] == [True, True, False]
-    taken = []
-    real = kc.small_batch_linear
-    monkeypatch.setattr(kc, "small_batch_linear", lambda x, *a: taken.append(len(x)) or real(x, *a))
-    for rows in (limit, limit + 1):
+    for rows in (1, limit, limit + 1):
         x = torch.randn(rows, 96).bfloat16()
-        _within_one_bf16_step(linear(x, w, None, dense), x.float() @ dense.float().T)
-    assert taken == [limit]
+        want = x.float() @ dense.float().T
+        got = kc.small_batch_linear(x, w, None)
+        if rows <= limit:
+            _within_one_bf16_step(got, want)
+        else:
+            assert got is None
+        if not blocked and rows <= SMALL_BATCH_ROWS:
+            _within_one_bf16_step(kc.small_batch_linear(x, w, None, isa=isa), want)
+        _within_one_bf16_step(linear(x, w, None, dense), want)
 
 
 @needs_kernels
