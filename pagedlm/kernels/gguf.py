@@ -225,7 +225,7 @@ def gemm_args(
     on the per-channel GEMM only."""
     n = w.shape[0]
     fn = channel_gemm(w, channel)
-    if silu_and_mul and (fn is None or not fuses_silu_and_mul(w)):
+    if silu_and_mul and (fn is None or n % 64):  # as `fuses_silu_and_mul`
         raise ValueError(f"gemm_args: silu_and_mul needs a per-channel GEMM, N % 64 == 0 (N={n})")
     y_cols = n // 2 if silu_and_mul else None
     y, pointers, (ldy, m, n, k, *layout) = _matmul_args("gguf_gemm", x, w, bias, out, y_cols)
