@@ -23,6 +23,7 @@ import torch
 
 from pagedlm.kernels.cpu import cpu_kernels
 from pagedlm.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
+from pagedlm.utils import huge_page_zeros
 
 BLOCK = 16
 LAYERS = 28  # caches cycled by --decode-batch (the 1.5B's layer count)
@@ -31,10 +32,13 @@ LAYERS = 28  # caches cycled by --decode-batch (the 1.5B's layer count)
 def paged_cache(
     tokens: int, kv_heads: int, head_size: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
+    """K, V and a block table in random order; K and V in transparent huge pages past their
+    first 2 MiB, as the engine allocates a KV cache (`utils.huge_page_zeros`)."""
     blocks = (tokens + BLOCK - 1) // BLOCK
     table = torch.randperm(blocks).view(1, blocks)
-    k = torch.randn(blocks, BLOCK, kv_heads, head_size).to(dtype)
-    return k, torch.randn_like(k), table
+    kv = huge_page_zeros((2, blocks, BLOCK, kv_heads, head_size), dtype, parts=2)
+    kv.copy_(torch.randn(kv.shape))
+    return kv[0], kv[1], table
 
 
 def time_ms(fn, iters: int) -> float:

@@ -62,10 +62,15 @@ def test_split_decode_sliding_window(dtype, window) -> None:
     check_decode(LENS, 4, 2, 64, 16, dtype, window, 3, seed=window)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(14, 2), (4, 4), (32, 2), (4, 1)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(14, 2), (4, 4), (32, 2), (4, 1), (32, 1)])
 @pytest.mark.parametrize("block_size", [3, 16, 32])
-def test_split_decode_gqa_and_blocks(heads, kv_heads, block_size) -> None:
-    check_decode([5, 333, 1500], heads, kv_heads, 64, block_size, torch.bfloat16, None, 50)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_split_decode_gqa_and_blocks(heads, kv_heads, block_size, d) -> None:
+    """Groups of 1 to 32 query heads per kv head at every AVX-512 head size: the weighted
+    values keep up to 24 sums in registers, all heads over a part of the columns where they
+    do not fit at full width (group x head size 7 x 64 .. 32 x 256), in several passes of
+    heads past 24."""
+    check_decode([5, 333, 1500], heads, kv_heads, d, block_size, torch.bfloat16, None, 50)
 
 
 def test_one_long_sequence_feeds_every_thread() -> None:
