@@ -29,7 +29,6 @@ typedef struct {
   const int64_t* table;
   int64_t block_size, token_stride, head_offset, row_bytes, elem_bytes;
   int64_t block, slot, last_block;  // table index and slot of the current token
-  int ahead;  // a walk that only prefetches, ahead of its reader: its first block too
 } BlockWalk;
 
 // always_inline: gcc removes calls of a function whose only effect is a prefetch.
@@ -42,14 +41,16 @@ static inline __attribute__((always_inline)) void prefetch_block(const BlockWalk
   }
 }
 
+// `ahead`: a walk that only prefetches, ahead of its reader, so it prefetches its first block
+// too (a reader loads its first block itself).
 static inline BlockWalk walk_start(const void* cache, const int64_t* table, int64_t start,
                                    int64_t n, int64_t block_size, int64_t token_stride,
                                    int64_t head_offset, int64_t head_size, int kind, int ahead) {
   const int64_t elem = kv_elem_bytes(kind);
   BlockWalk w = {(const char*)cache, table, block_size, token_stride, head_offset,
                  head_size * elem, elem, start / block_size, start % block_size - 1,
-                 (start + n - 1) / block_size, ahead};
-  if (ahead) prefetch_block(&w, w.block);  // a reader loads its first block itself
+                 (start + n - 1) / block_size};
+  if (ahead) prefetch_block(&w, w.block);
   prefetch_block(&w, w.block + 1);
   return w;
 }
