@@ -134,6 +134,11 @@ def main() -> None:
         engine.step()
         steps += 1
     step_ms = (time.perf_counter() - start) / steps * 1e3
+    if set(seconds) <= {"LM head (compute_logits)"}:
+        sys.exit(
+            "decode_split: no decode plan ran (a Llama-family model on the C kernels, "
+            "PAGEDLM_DISABLE_DECODE_PLAN unset, up to 64 rows)"
+        )
     print(f"{args.model}, {args.batch} rows, {steps} decode steps: {step_ms:.1f} ms a step")
     for label, total in seconds.most_common():
         ms = total / steps * 1e3
