@@ -16,8 +16,8 @@
 //    chunks (an activation block, at most CHUNK_VALUES) whose weights stay in L1 while every
 //    panel of the block runs against them. The first panel prefetches into L2 the chunk that
 //    comes next on this thread (the pair's next, or the thread's next pair's first): read from
-//    memory by hardware prefetch alone, the first panel of each chunk waited on it (gate_up at
-//    32 rows 0.64 -> 0.74 int8 TOPS on Zen 4, ~3% at 512 rows).
+//    memory by hardware prefetch alone, the first panel of each chunk waited on it (the 1.5B
+//    decode step's gate_up at 32 rows 0.65 -> 0.77 int8 TOPS on Zen 4; ~3% at 512 rows).
 // 3. The microkernel holds a panel's MR rows x 32 columns in 2 MR int32 sums started at -corr:
 //    one vpdpbusd per 4 values, a row and 16 columns, exact (|sum| <= 255 * 127 * QB < 2^31).
 //    After a block, acc[i][n] += as[i][b] * sum in fp32; after K's last block y = ws[n] * acc
