@@ -185,12 +185,17 @@ def test_small_batch_linear_matches_fp32_reference(rows, with_bias) -> None:
 @pytest.mark.parametrize("shape", [(16, 2), (48, 96), (80, 34), (96, 896)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_blocked_avx512_bf16_linear(rows, shape, with_bias) -> None:
-    """Blocked layout [N/16, K/2, 16, 2]: block groups of 4 and 2 with remainders, 1-8 rows
-    per pass, K not a multiple of the 32-wide dense step."""
+    """Blocked layout [N/16, K/2, 16, 2]: groups of 4 blocks (1-2 rows) and pairs of blocks in
+    8-row panels (more rows), odd block counts, K in several L1 chunks of 128 pairs with a
+    shorter last one (896), K not a multiple of the 32-wide dense step. Every row sums its k
+    pairs in one order, so a batch's rows equal each row computed alone, bit for bit."""
     x, w, b, want = _linear_case(rows, *shape, with_bias)
     blocked = block_small_batch_weight(w)
     assert blocked is not None and blocked.shape == (shape[0] // 16, shape[1] // 2, 16, 2)
-    _within_one_bf16_step(small_batch_linear(x, blocked, b), want)
+    got = small_batch_linear(x, blocked, b)
+    _within_one_bf16_step(got, want)
+    for i in (0, rows - 1):
+        assert torch.equal(got[i : i + 1], small_batch_linear(x[i : i + 1], blocked, b))
 
 
 @needs_kernels

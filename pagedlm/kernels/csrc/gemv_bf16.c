@@ -120,41 +120,124 @@ static inline __attribute__((always_inline)) void blocked_tile(
   }
 }
 
-// y[M, N] = x[M, 2 KP] . W^T with W blocked as above (N = 16 * NBLK).
+// More than 2 rows: pairs of blocks (32 outputs) with K in chunks of CHUNK_PAIRS k pairs (2 x
+// 128 x 64 B = 16 KB of weights) that stay in L1 while every 8-row panel of x runs against
+// them; x is first copied into panels ([panel][KP][8] pairs), so a k-step's 8 broadcasts lie
+// in one 32-byte run. The first panel prefetches into L2 the chunk the thread runs next (the
+// pair's next, or the next pair's first). A panel's fp32 sums wait in `acc` between chunks, so
+// each output adds its k pairs in blocked_tile's order: the same bits. Against passes of 8
+// rows over whole rows of weights (read from L2 after the first), 1.05-1.2x at 8-64 rows (Zen
+// 4: 3B gate_up at 32 rows 0.35 -> 0.39 TFLOPS).
+#define CHUNK_PAIRS 128
+
+// acc[2 m + b] += x panel row m . block b of the pair at w0, over k pairs p0 .. p0 + pn - 1;
+// with pf != 0, each step's weight lines pf bytes on are prefetched into L2.
+static inline __attribute__((always_inline)) void pair_chunk(const uint32_t* xp,
+                                                             const uint32_t* w0, int64_t KP,
+                                                             int64_t p0, int64_t pn, __m512* acc,
+                                                             int64_t pf, const int MT) {
+  __m512 a0[8], a1[8];
+  for (int m = 0; m < MT; m++) a0[m] = acc[2 * m], a1[m] = acc[2 * m + 1];
+  for (int64_t p = p0; p < p0 + pn; p++) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + p * 16);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w0 + (KP + p) * 16);
+    if (pf) {
+      _mm_prefetch((const char*)(w0 + p * 16) + pf, _MM_HINT_T1);
+      _mm_prefetch((const char*)(w0 + (KP + p) * 16) + pf, _MM_HINT_T1);
+    }
+    for (int m = 0; m < MT; m++) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[p * 8 + m]);
+      a0[m] = _mm512_dpbf16_ps(a0[m], b0, xv);
+      a1[m] = _mm512_dpbf16_ps(a1[m], b1, xv);
+    }
+  }
+  for (int m = 0; m < MT; m++) acc[2 * m] = a0[m], acc[2 * m + 1] = a1[m];
+}
+
+typedef void (*PairChunk)(const uint32_t*, const uint32_t*, int64_t, int64_t, int64_t, __m512*,
+                          int64_t);
+#define PAIR_CHUNK(MT)                                                                     \
+  static __attribute__((noinline)) void pair_chunk_##MT(const uint32_t* xp,                \
+                                                        const uint32_t* w0, int64_t KP,    \
+                                                        int64_t p0, int64_t pn, __m512* acc, \
+                                                        int64_t pf) {                      \
+    pair_chunk(xp, w0, KP, p0, pn, acc, pf, MT);                                           \
+  }
+PAIR_CHUNK(1) PAIR_CHUNK(2) PAIR_CHUNK(3) PAIR_CHUNK(4) PAIR_CHUNK(5) PAIR_CHUNK(6)
+PAIR_CHUNK(7) PAIR_CHUNK(8)
+static const PairChunk PAIR_CHUNKS[8] = {pair_chunk_1, pair_chunk_2, pair_chunk_3, pair_chunk_4,
+                                         pair_chunk_5, pair_chunk_6, pair_chunk_7, pair_chunk_8};
+
+// The first 2 * pairs blocks of y (M > 2) as above; 0 when out of memory.
+static int blocked_pairs(const uint32_t* x, const uint32_t* wb, const uint16_t* bias,
+                         uint16_t* y, int64_t M, int64_t pairs, int64_t N, int64_t KP,
+                         int num_threads) {
+  const int64_t panels = (M + 7) / 8;
+  uint32_t* xp = alloc_lines(sizeof(uint32_t) * panels * KP * 8);  // [panel][KP][8], zero rows past M
+  if (xp == NULL) return 0;
+  for (int64_t q = 0; q < panels; q++)
+    for (int64_t p = 0; p < KP; p++)
+      for (int64_t m = 0; m < 8; m++)
+        xp[(q * KP + p) * 8 + m] = q * 8 + m < M ? x[(q * 8 + m) * KP + p] : 0;
+  int ok = 1;
+#pragma omp parallel num_threads(num_threads)
+  {
+    __m512* acc = alloc_lines(sizeof(__m512) * panels * 16);  // [panel][8 rows][2 blocks]
+    if (acc == NULL) {
+#pragma omp atomic write
+      ok = 0;
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < pairs; g++) {
+      if (acc == NULL) continue;
+      const uint32_t* w0 = wb + g * 2 * KP * 16;
+      for (int64_t i = 0; i < panels * 16; i++) acc[i] = _mm512_setzero_ps();
+      for (int64_t p0 = 0; p0 < KP; p0 += CHUNK_PAIRS) {
+        const int64_t pn = KP - p0 < CHUNK_PAIRS ? KP - p0 : CHUNK_PAIRS;
+        for (int64_t q = 0; q < panels; q++) {
+          int64_t pf = 0;  // a block is KP * 64 bytes; the next pair starts 2 blocks on
+          if (q == 0) pf = p0 + pn < KP ? pn * 64 : g + 1 < pairs ? (2 * KP - p0) * 64 : 0;
+          const int mt = M - q * 8 < 8 ? (int)(M - q * 8) : 8;
+          PAIR_CHUNKS[mt - 1](xp + q * KP * 8, w0, KP, p0, pn, acc + q * 16, pf);
+        }
+      }
+      for (int64_t m = 0; m < M; m++)
+        for (int b = 0; b < 2; b++) {
+          const int64_t n = (g * 2 + b) * 16;
+          const __m512 bv = bias != NULL ? load16(bias, n, 1) : _mm512_setzero_ps();
+          store16(y, m * N + n, _mm512_add_ps(acc[(m / 8) * 16 + (m % 8) * 2 + b], bv), 1);
+        }
+    }
+    free(acc);
+  }
+  free(xp);
+  return ok;
+}
+
+// y[M, N] = x[M, 2 KP] . W^T with W blocked as above (N = 16 * NBLK); 0 when out of memory.
 int gemv_bf16_blocked(const uint16_t* x, const uint16_t* wb, const uint16_t* bias, uint16_t* y,
                       int64_t M, int64_t NBLK, int64_t KP, int num_threads) {
   if (M < 1 || NBLK < 1 || KP < 1) return 0;
   const int64_t N = NBLK * 16;
   const uint32_t* x32 = (const uint32_t*)x;
   const uint32_t* w32 = (const uint32_t*)wb;
-  // Passes of up to 8 rows; 4 blocks per step for 1-2 rows (more streams in flight), else 2.
-  const int NB = M <= 2 ? 4 : 2;
-  const int64_t groups = (NBLK + NB - 1) / NB;
+  int64_t nb0 = 0;  // blocks from here on go through blocked_tile
+  if (M > 2) {
+    if (!blocked_pairs(x32, w32, bias, y, M, NBLK / 2, N, KP, num_threads)) return 0;
+    nb0 = NBLK / 2 * 2;
+  }
+  // 1-2 rows: 4 blocks per step (more streams in flight); the last blocks one at a time
+  const int64_t groups = (NBLK - nb0 + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t g = 0; g < groups; g++) {
-    const int64_t nb0 = g * NB;
-    const int nb = NBLK - nb0 < NB ? (int)(NBLK - nb0) : NB;
-    const int pf = nb0 + 2 * NB <= NBLK;
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int mt = M - m0 < 8 ? (int)(M - m0) : 8;
-      if (nb == 4 && mt == 1) blocked_tile(x32, w32, bias, y, nb0, 4, m0, 1, N, KP, pf);
-      else if (nb == 4 && mt == 2) blocked_tile(x32, w32, bias, y, nb0, 4, m0, 2, N, KP, pf);
-      else if (nb == 2) {
-        switch (mt) {
-          case 1: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 1, N, KP, pf && m0 == 0); break;
-          case 2: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 2, N, KP, pf && m0 == 0); break;
-          case 3: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 3, N, KP, pf && m0 == 0); break;
-          case 4: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 4, N, KP, pf && m0 == 0); break;
-          case 5: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 5, N, KP, pf && m0 == 0); break;
-          case 6: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 6, N, KP, pf && m0 == 0); break;
-          case 7: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 7, N, KP, pf && m0 == 0); break;
-          default: blocked_tile(x32, w32, bias, y, nb0, 2, m0, 8, N, KP, pf && m0 == 0);
-        }
-      } else {
-        for (int b = 0; b < nb; b++)
-          for (int m = 0; m < mt; m++) blocked_tile(x32, w32, bias, y, nb0 + b, 1, m0 + m, 1, N, KP, 0);
-      }
-    }
+    const int64_t b0 = nb0 + g * 4;
+    const int nb = NBLK - b0 < 4 ? (int)(NBLK - b0) : 4;
+    const int pf = b0 + 8 <= NBLK;
+    if (nb == 4 && M == 1) blocked_tile(x32, w32, bias, y, b0, 4, 0, 1, N, KP, pf);
+    else if (nb == 4 && M == 2) blocked_tile(x32, w32, bias, y, b0, 4, 0, 2, N, KP, pf);
+    else
+      for (int b = 0; b < nb; b++)
+        for (int64_t m = 0; m < M; m++) blocked_tile(x32, w32, bias, y, b0 + b, 1, m, 1, N, KP, 0);
   }
   return 1;
 }
