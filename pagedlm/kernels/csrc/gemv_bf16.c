@@ -173,7 +173,8 @@ static int blocked_pairs(const uint32_t* x, const uint32_t* wb, const uint16_t* 
                          uint16_t* y, int64_t M, int64_t pairs, int64_t N, int64_t KP,
                          int num_threads) {
   const int64_t panels = (M + 7) / 8;
-  uint32_t* xp = alloc_lines(sizeof(uint32_t) * panels * KP * 8);  // [panel][KP][8], zero rows past M
+  // x's panels [panel][KP][8] (zeros past row M), and each thread's sums [panel][8][2 blocks]
+  uint32_t* xp = alloc_lines(sizeof(uint32_t) * panels * KP * 8);
   if (xp == NULL) return 0;
   for (int64_t q = 0; q < panels; q++)
     for (int64_t p = 0; p < KP; p++)
@@ -182,7 +183,7 @@ static int blocked_pairs(const uint32_t* x, const uint32_t* wb, const uint16_t* 
   int ok = 1;
 #pragma omp parallel num_threads(num_threads)
   {
-    __m512* acc = alloc_lines(sizeof(__m512) * panels * 16);  // [panel][8 rows][2 blocks]
+    __m512* acc = alloc_lines(sizeof(__m512) * panels * 16);
     if (acc == NULL) {
 #pragma omp atomic write
       ok = 0;
