@@ -202,12 +202,14 @@ static int blocked_pairs(const uint32_t* x, const uint32_t* wb, const uint16_t* 
           PAIR_CHUNKS[mt - 1](xp + q * KP * 8, w0, KP, p0, pn, acc + q * 16, pf);
         }
       }
-      for (int64_t m = 0; m < M; m++)
-        for (int b = 0; b < 2; b++) {
-          const int64_t n = (g * 2 + b) * 16;
-          const __m512 bv = bias != NULL ? load16(bias, n, 1) : _mm512_setzero_ps();
-          store16(y, m * N + n, _mm512_add_ps(acc[(m / 8) * 16 + (m % 8) * 2 + b], bv), 1);
-        }
+      const int64_t n = g * 32;  // the pair's first output
+      const __m512 bv0 = bias != NULL ? load16(bias, n, 1) : _mm512_setzero_ps();
+      const __m512 bv1 = bias != NULL ? load16(bias, n + 16, 1) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; m++) {
+        const __m512* sums = acc + (m / 8) * 16 + (m % 8) * 2;
+        store16(y, m * N + n, _mm512_add_ps(sums[0], bv0), 1);
+        store16(y, m * N + n + 16, _mm512_add_ps(sums[1], bv1), 1);
+      }
     }
     free(acc);
   }
